@@ -1,0 +1,313 @@
+"""The ``ddpatch`` command line.
+
+Exit codes, for every command:
+  0  done, nothing pending
+  1  changes pending (``check``, ``diff``) or a verify/CI check failed
+  2  a recipe step no longer matches, bad input, or an error (one line on stderr says which)
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import sys
+from pathlib import Path
+
+import click
+
+from . import __version__
+
+EXIT_OK, EXIT_PENDING, EXIT_ERROR = 0, 1, 2
+FORMAT = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True, help="Output format.")
+
+
+class Failure(click.ClickException):
+    exit_code = EXIT_ERROR
+
+    def show(self, file=None) -> None:
+        click.echo(f"ddpatch: error: {self.format_message()}", err=True)
+
+
+def friendly(fn):
+    """Turn known errors into one clear line and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from .engine import EngineError
+        from .journal import JournalError
+        from .recipe import RecipeError
+
+        try:
+            return fn(*args, **kwargs)
+        except (EngineError, RecipeError, JournalError, ValueError) as exc:
+            raise Failure(str(exc)) from None
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ddpatch")
+def main() -> None:
+    """Compatibility recipes for speculative-decoding research code, and a verifier that proves them lossless.
+
+    \b
+    ddpatch recipes list
+    ddpatch diff  --recipe qwen3_6-gdn path/to/ddtree
+    ddpatch apply --recipe qwen3_6-gdn path/to/ddtree --out patched/
+    ddpatch verify patched/
+    """
+
+
+# ----------------------------------------------------------------------------- recipes
+@main.group()
+def recipes() -> None:
+    """List the built-in recipes or show one."""
+
+
+@recipes.command("list")
+@FORMAT
+@friendly
+def recipes_list(fmt: str) -> None:
+    """The known recipes, one line each."""
+    from .recipe import builtin_recipes, load_recipe
+    from .report import print_json
+
+    items = [load_recipe(name) for name in sorted(builtin_recipes())]
+    if fmt == "json":
+        print_json({"recipes": [{"name": r.name, "version": r.version, "description": r.description} for r in items]})
+        return
+    for r in items:
+        click.echo(f"{r.name:<16} v{r.version}  {r.description.splitlines()[0] if r.description else ''}")
+
+
+@recipes.command("show")
+@click.argument("name")
+@FORMAT
+@friendly
+def recipes_show(name: str, fmt: str) -> None:
+    """A recipe's steps: what each matches and writes, with an example of each."""
+    from .codemods import CODEMODS
+    from .recipe import load_recipe
+    from .report import print_json
+
+    r = load_recipe(name)
+    if fmt == "json":
+        steps = []
+        for s in r.steps:
+            cls = CODEMODS[s.codemod]
+            steps.append(
+                {
+                    "id": s.id,
+                    "codemod": s.codemod,
+                    "description": cls.DESCRIPTION,
+                    "why": s.why,
+                    "params": {**cls.PARAMS, **s.params},
+                    "anchors": {k: list(v) for k, v in s.anchors.items()},
+                    "upstreams": list(s.upstreams),
+                    "examples": [{"before": e.clean().before, "after": e.clean().after, "note": e.note} for e in cls.EXAMPLES],
+                }
+            )
+        print_json({"name": r.name, "version": r.version, "transformers": r.transformers, "steps": steps})
+        return
+    click.echo(f"{r.name} v{r.version} (transformers {r.transformers})")
+    click.echo(r.description)
+    for i, s in enumerate(r.steps, 1):
+        cls = CODEMODS[s.codemod]
+        click.echo(f"\n{i}. {s.id}  [{s.codemod}]" + (f"  (only {', '.join(s.upstreams)})" if s.upstreams else ""))
+        click.echo(f"   matches/writes: {cls.DESCRIPTION}")
+        if s.why:
+            click.echo("   why: " + " ".join(s.why.split()))
+        for up, fns in s.anchors.items():
+            click.echo(f"   anchors ({up}): {', '.join(fns)}")
+        for ex in cls.EXAMPLES[:2]:
+            ex = ex.clean()
+            label = "example (left alone)" if ex.before == ex.after else "example"
+            click.echo(f"   {label}{': ' + ex.note if ex.note else ''}")
+            if ex.before == ex.after:
+                click.echo(_indent(ex.before, "     | "))
+            else:
+                click.echo(_indent(ex.before, "     - "))
+                click.echo(_indent(ex.after, "     + "))
+
+
+def _indent(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line for line in text.rstrip("\n").splitlines())
+
+
+# ----------------------------------------------------------------------------- apply / diff / check
+def recipe_options(fn):
+    options = [
+        click.option("--recipe", "recipe_name", required=True, help="A built-in recipe name or a path to a recipe .toml."),
+        click.option("--select", default=None, help="Only these step ids (comma-separated)."),
+        click.option("--ignore", default=None, help="Skip these step ids (comma-separated)."),
+        click.option("--upstream", default=None, help="Treat the tree as this upstream layout instead of detecting it."),
+        click.option("--jobs", "-j", type=int, default=0, help="Parallel worker processes (default: number of CPUs)."),
+        click.option("-v", "--verbose", is_flag=True, help="List every site."),
+        FORMAT,
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _run(recipe_name, path, select, ignore, upstream, jobs):
+    import os
+    from dataclasses import replace
+
+    from .engine import run_recipe
+    from .recipe import RecipeError, load_recipe
+
+    recipe = load_recipe(recipe_name)
+    ids = {s.id for s in recipe.steps}
+    chosen = [s for s in recipe.steps]
+    for flag, value in (("--select", select), ("--ignore", ignore)):
+        if value:
+            names = {v.strip() for v in value.split(",") if v.strip()}
+            unknown = names - ids
+            if unknown:
+                raise RecipeError(f"{flag}: unknown step(s) {', '.join(sorted(unknown))}; known: {', '.join(s.id for s in recipe.steps)}")
+            chosen = [s for s in chosen if (s.id in names) == (flag == "--select")]
+    if not chosen:
+        raise RecipeError("no steps left to run after --select/--ignore")
+    recipe = replace(recipe, steps=tuple(chosen))
+    return run_recipe(recipe, Path(path), upstream=upstream, jobs=jobs or os.cpu_count() or 1)
+
+
+def _exit_code(report, pending: bool) -> int:
+    if report.no_match or report.skipped:
+        return EXIT_ERROR
+    return EXIT_PENDING if pending and report.changed else EXIT_OK
+
+
+def _payload(report, command: str, code: int, **extra) -> dict:
+    return {"command": command, **report.as_dict(), "exit_code": code, **extra}
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@recipe_options
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Write a patched copy of the tree here; the original is untouched.")
+@click.option("--force", is_flag=True, help="With --out: write into a folder that is not empty.")
+@click.option("--allow-partial", is_flag=True, help="Write the steps that matched even if some step is no-match.")
+@click.option("--diff", "show_diff", is_flag=True, help="Also print the unified diff of what was written.")
+@friendly
+def apply(path, recipe_name, select, ignore, upstream, jobs, verbose, fmt, out, force, allow_partial, show_diff) -> None:
+    """Rewrite PATH in place (or into --out DIR) with a recipe.
+
+    Re-running on a patched tree changes nothing and reports every step as
+    already-applied. A no-match step stops the run before anything is written,
+    unless --allow-partial. In-place writes are journalled: `ddpatch revert PATH`
+    undoes them.
+    """
+    from . import journal
+    from .engine import write_report
+    from .report import print_diff, print_json, print_summary
+
+    report = _run(recipe_name, path, select, ignore, upstream, jobs)
+    blocked = bool(report.no_match) and not allow_partial
+    written: list[str] = []
+    dest = None
+    if not blocked:
+        base = report.root if report.root.is_dir() else report.root.parent
+        if out is not None:
+            dest = _prepare_out(report.root, out, force)
+        elif report.changed:
+            journal.record(base, {f.path: f.patched for f in report.changed}, report.recipe.label)
+        written = write_report(report, dest)
+    code = _exit_code(report, pending=False)
+    if fmt == "json":
+        print_json(_payload(report, "apply", code, written=written, out=str(dest) if dest else None))
+    else:
+        print_summary(report, "apply", verbose)
+        if show_diff:
+            print_diff(report)
+        if blocked:
+            click.echo("nothing written: a step is no-match (see above); use --allow-partial to write the rest", err=True)
+        elif written:
+            click.echo(f"wrote {len(written)} file(s) under {dest or report.root}")
+        else:
+            click.echo("nothing to change" + (f"; copied the tree to {dest}" if dest else ""))
+    sys.exit(code)
+
+
+def _prepare_out(root: Path, out: Path, force: bool) -> Path:
+    out = out.resolve()
+    if out == root or out.is_relative_to(root) and root.is_dir():
+        raise ValueError(f"--out {out} must be outside the tree being patched")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ValueError(f"--out {out} exists and is not empty (use --force to write into it)")
+    if root.is_dir():
+        shutil.copytree(root, out, symlinks=True, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".git", "__pycache__"))
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root, out / root.name)
+    return out
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@recipe_options
+@click.option("--stat", is_flag=True, help="Print a diffstat instead of the diff.")
+@click.option("--color", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True)
+@friendly
+def diff(path, recipe_name, select, ignore, upstream, jobs, verbose, fmt, stat, color) -> None:
+    """Print the unified diff that apply would write; writes nothing.
+
+    Exit 0: no changes; 1: changes; 2: a step is no-match or a file was skipped.
+    """
+    from .report import diff_stat, diff_text, print_diff, print_json
+
+    report = _run(recipe_name, path, select, ignore, upstream, jobs)
+    code = _exit_code(report, pending=True)
+    if fmt == "json":
+        print_json(_payload(report, "diff", code, diff=diff_text(report)))
+    elif stat:
+        click.echo(diff_stat(report), nl=False)
+    else:
+        print_diff(report, color)
+    for f in report.skipped:
+        click.echo(f"ddpatch: skipped {f.path}: {f.error}", err=True)
+    for s in report.no_match:
+        reasons = "; ".join(a.message for a in s.anchors if a.status == "no-match") or "nothing matched"
+        click.echo(f"ddpatch: no-match {s.spec.id}: {reasons}", err=True)
+    sys.exit(code)
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@recipe_options
+@friendly
+def check(path, recipe_name, select, ignore, upstream, jobs, verbose, fmt) -> None:
+    """Report each step's status; writes nothing.
+
+    Exit 0: nothing to do; 1: changes pending; 2: a step no longer matches, or an error.
+    """
+    from .report import print_json, print_summary
+
+    report = _run(recipe_name, path, select, ignore, upstream, jobs)
+    code = _exit_code(report, pending=True)
+    if fmt == "json":
+        print_json(_payload(report, "check", code))
+    else:
+        print_summary(report, "check", verbose)
+        pending = len(report.changed)
+        click.echo(f"{pending} file(s) would change" if pending else "nothing to change")
+    sys.exit(code)
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--force", is_flag=True, help="Also revert files edited since the apply.")
+@friendly
+def revert(path: Path, force: bool) -> None:
+    """Undo the latest in-place `ddpatch apply` on PATH, byte for byte."""
+    from . import journal
+
+    if not path.exists():
+        raise Failure(f"path does not exist: {path}")
+    restored = journal.revert(path.resolve(), force=force)
+    click.echo(f"restored {len(restored)} file(s)")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,20 @@
+"""The codemod steps recipes are built from: one small, general, parametrised transform per module."""
+
+from __future__ import annotations
+
+from .accessor import UseAccessor
+from .attn_fallback import AttnFallback
+from .base import Step
+from .crop import CropCompat
+from .decorate import DecorateFunction
+from .guard import GuardCall
+from .lazy_import import LazyImport
+from .target_cache_config import TargetCacheConfig
+from .wrap_call import WrapCall
+
+CODEMODS: dict[str, type[Step]] = {
+    cls.ID: cls
+    for cls in (TargetCacheConfig, UseAccessor, CropCompat, GuardCall, AttnFallback, LazyImport, WrapCall, DecorateFunction)
+}
+
+__all__ = ["CODEMODS", "Step"]

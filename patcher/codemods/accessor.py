@@ -1,0 +1,79 @@
+"""UseAccessor: replace a reach into a model's internals with the model's public accessor.
+
+``X.model.embed_tokens`` assumes the text model sits at ``X.model``; in
+``Qwen3_5ForConditionalGeneration`` it is nested (``X.model.language_model``), and the
+attribute access raises AttributeError. ``X.get_input_embeddings()`` is right in every
+layout. ``lm_head`` is top-level in both Qwen3.5 layouts, so it is left alone.
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from .base import APPLIED, FIXED_UPSTREAM, PATCHED, Example, Step, dotted
+
+
+class UseAccessor(Step):
+    ID = "use-accessor"
+    DESCRIPTION = "Replace `X.<path>` (e.g. X.model.embed_tokens) with `X.<accessor>()` (e.g. X.get_input_embeddings())."
+    TRIGGERS = ("embed_tokens", "get_input_embeddings")
+    PARAMS = {
+        "path": "model.embed_tokens",
+        "accessor": "get_input_embeddings",
+        # Other spellings showing that upstream already reaches the object another way.
+        "fixed_forms": ["language_model.embed_tokens"],
+    }
+    EXAMPLES = (
+        Example(
+            "noise = target.model.embed_tokens(block_ids)\n",
+            "noise = target.get_input_embeddings()(block_ids)\n",
+            "works for the nested ForConditionalGeneration layout too",
+        ),
+        Example("logits = target.lm_head(hidden)\n", "logits = target.lm_head(hidden)\n", "lm_head is top-level everywhere"),
+        Example(
+            "self.model.embed_tokens = nn.Embedding(4, 4)\n",
+            "self.model.embed_tokens = nn.Embedding(4, 4)\n",
+            "an assignment to the attribute is a definition, not a use",
+        ),
+    )
+
+    def __init__(self, context, **params) -> None:
+        super().__init__(context, **params)
+        self.parts = self.params["path"].split(".")
+        self._store_depth = 0
+
+    def _receiver(self, node: cst.Attribute) -> cst.BaseExpression | None:
+        """``X`` when ``node`` is ``X.<path>``."""
+        current: cst.BaseExpression = node
+        for part in reversed(self.parts):
+            if not isinstance(current, cst.Attribute) or current.attr.value != part:
+                return None
+            current = current.value
+        return current
+
+    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+        self._store_depth += 1
+
+    def leave_AssignTarget(self, original_node: cst.AssignTarget, updated_node: cst.AssignTarget) -> cst.AssignTarget:
+        self._store_depth -= 1
+        return updated_node
+
+    def visit_Call(self, node: cst.Call) -> None:
+        if isinstance(node.func, cst.Attribute) and node.func.attr.value == self.params["accessor"] and not node.args:
+            self.record(node, PATCHED, f"`{dotted(node.func) or self.params['accessor']}()` already used")
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        text = dotted(node) or ""
+        if any(text.endswith("." + form) for form in self.params["fixed_forms"]):
+            self.record(node, FIXED_UPSTREAM, f"upstream reaches it as `{text}`")
+
+    def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> cst.BaseExpression:
+        if self._store_depth:
+            return updated_node
+        receiver = self._receiver(updated_node)
+        if receiver is None:
+            return updated_node
+        accessor = cst.Call(func=cst.Attribute(value=receiver, attr=cst.Name(self.params["accessor"])))
+        self.record(original_node, APPLIED, f"`{dotted(original_node) or self.params['path']}` -> `.{self.params['accessor']}()`")
+        return accessor
+

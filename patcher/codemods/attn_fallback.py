@@ -1,0 +1,94 @@
+"""AttnFallback: use flash-attn when it is installed and sdpa when it is not.
+
+Upstream benchmarks raise when ``flash_attn`` is missing and hard-code
+``"flash_attention_2"`` for the draft. The raise becomes a warning, and each bare
+``"flash_attention_2"`` given as an attention implementation becomes a choice made at
+run time. A choice the user makes explicitly (``"flash_attention_2" if args.flash_attn
+else "sdpa"``) is left alone.
+"""
+
+from __future__ import annotations
+
+import json
+
+import libcst as cst
+from libcst.codemod.visitors import AddImportsVisitor
+
+from .base import APPLIED, FIXED_UPSTREAM, PATCHED, Example, Step, code, dotted
+
+
+class AttnFallback(Step):
+    ID = "attn-fallback"
+    DESCRIPTION = "Fall back to sdpa when flash-attn is absent instead of raising or forcing flash_attention_2."
+    TRIGGERS = ("flash_attention_2", "flash_attn")
+    PARAMS = {"package": "flash_attn", "implementation": "flash_attention_2", "fallback": "sdpa"}
+    EXAMPLES = (
+        Example(
+            """
+            if not installed_flash_attn:
+                raise RuntimeError("flash_attn must be installed")
+            draft_attn_implementation = "flash_attention_2"
+            """,
+            """
+            import importlib.util
+            import warnings
+
+            if not installed_flash_attn:
+                warnings.warn("flash_attn is not installed; ddpatch falls back to sdpa attention", stacklevel=1)
+            draft_attn_implementation = ("flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "sdpa")
+            """,
+        ),
+        Example(
+            'impl = "flash_attention_2" if args.flash_attn else "sdpa"\n',
+            'impl = "flash_attention_2" if args.flash_attn else "sdpa"\n',
+            "an explicit user choice is kept",
+        ),
+    )
+
+    def _choice(self) -> cst.BaseExpression:
+        p = self.params
+        AddImportsVisitor.add_needed_import(self.context, "importlib.util")
+        return cst.parse_expression(
+            f'("{p["implementation"]}" if importlib.util.find_spec("{p["package"]}") is not None else "{p["fallback"]}")'
+        )
+
+    def _is_impl_literal(self, node: cst.BaseExpression) -> bool:
+        return isinstance(node, cst.SimpleString) and node.evaluated_value == self.params["implementation"]
+
+    def visit_IfExp(self, node: cst.IfExp) -> None:
+        if f'find_spec("{self.params["package"]}")' in code(node.test):
+            self.record(node, PATCHED, "attention implementation already chosen at run time")
+
+    def leave_Assign(self, original_node: cst.Assign, updated_node: cst.Assign) -> cst.Assign:
+        names = [dotted(t.target) or "" for t in original_node.targets]
+        if self._is_impl_literal(original_node.value) and any("attn" in n for n in names):
+            self.record(original_node, APPLIED, f"`{names[0]}` falls back to {self.params['fallback']}")
+            return updated_node.with_changes(value=self._choice())
+        return updated_node
+
+    def leave_Arg(self, original_node: cst.Arg, updated_node: cst.Arg) -> cst.Arg:
+        if original_node.keyword is not None and original_node.keyword.value == "attn_implementation":
+            if self._is_impl_literal(original_node.value):
+                self.record(original_node, APPLIED, f"attn_implementation falls back to {self.params['fallback']}")
+                return updated_node.with_changes(value=self._choice())
+        return updated_node
+
+    def leave_SimpleStatementLine(self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine):
+        if len(original_node.body) != 1 or not isinstance(original_node.body[0], cst.Raise):
+            return updated_node
+        raised = original_node.body[0].exc
+        if raised is None or self.params["package"] not in code(raised):
+            return updated_node
+        AddImportsVisitor.add_needed_import(self.context, "warnings")
+        message = f"{self.params['package']} is not installed; ddpatch falls back to {self.params['fallback']} attention"
+        self.record(original_node, APPLIED, f"missing {self.params['package']} now warns instead of raising")
+        warn = cst.parse_statement(f"warnings.warn({json.dumps(message)}, stacklevel=1)\n")
+        return warn.with_changes(leading_lines=updated_node.leading_lines)
+
+    def evidence(self, function: cst.FunctionDef) -> str | None:
+        text = cst.Module(body=[function]).code
+        if self.params["fallback"] in text and self.params["implementation"] in text:
+            return f"`{function.name.value}` already chooses between {self.params['implementation']} and {self.params['fallback']}"
+        if self.params["implementation"] not in text and self.params["package"] not in text:
+            return f"`{function.name.value}` no longer mentions {self.params['implementation']}"
+        return None

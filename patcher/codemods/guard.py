@@ -1,0 +1,108 @@
+"""GuardCall: run a device-only call only when the device exists.
+
+``torch.cuda.synchronize()`` inside a timing helper, or ``torch.cuda.set_device(...)``
+at start-up, raises on a machine without CUDA; the verifier runs on CPU. The statement
+is wrapped in ``if torch.cuda.is_available():``. Calls are matched by qualified name,
+so ``from torch import cuda; cuda.synchronize()`` is found too.
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+from libcst.codemod.visitors import AddImportsVisitor
+from libcst.metadata import PositionProvider, QualifiedNameProvider
+
+from .base import APPLIED, FIXED_UPSTREAM, PATCHED, Example, Step, code
+
+
+class GuardCall(Step):
+    ID = "guard-call"
+    DESCRIPTION = "Wrap statements calling torch.cuda.synchronize/set_device in `if torch.cuda.is_available():`."
+    TRIGGERS = ("synchronize", "set_device")
+    PARAMS = {
+        "calls": ["torch.cuda.synchronize", "torch.cuda.set_device"],
+        "guard": "torch.cuda.is_available()",
+        "guard_import": "torch",
+    }
+    NEEDS_SCOPE = True
+    METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider)
+    EXAMPLES = (
+        Example(
+            """
+            import torch
+
+            def cuda_time():
+                torch.cuda.synchronize()
+                return time.perf_counter()
+            """,
+            """
+            import torch
+
+            def cuda_time():
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                return time.perf_counter()
+            """,
+        ),
+        Example(
+            """
+            def cuda_time():
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                return time.perf_counter()
+            """,
+            """
+            def cuda_time():
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                return time.perf_counter()
+            """,
+            "already guarded: unchanged",
+        ),
+    )
+
+    def __init__(self, context, **params) -> None:
+        super().__init__(context, **params)
+        self._guards: list[str] = []
+
+    def _guarded_call(self, stmt: cst.SimpleStatementLine) -> cst.Call | None:
+        if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Expr):
+            return None
+        call = stmt.body[0].value
+        if not isinstance(call, cst.Call):
+            return None
+        names = {q.name for q in self.get_metadata(QualifiedNameProvider, call.func, set())}
+        return call if names & set(self.params["calls"]) else None
+
+    def visit_If(self, node: cst.If) -> None:
+        self._guards.append(code(node.test))
+
+    def leave_If(self, original_node: cst.If, updated_node: cst.If) -> cst.If:
+        self._guards.pop()
+        return updated_node
+
+    def leave_SimpleStatementLine(self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine):
+        call = self._guarded_call(original_node)
+        if call is None:
+            return updated_node
+        what = code(call.func)
+        if self._guards and self._guards[-1] == self.params["guard"]:
+            self.record(original_node, PATCHED, f"`{what}()` already guarded")
+            return updated_node
+        if any("cuda" in g or "device" in g for g in self._guards):
+            self.record(original_node, FIXED_UPSTREAM, f"`{what}()` guarded by upstream (`if {self._guards[-1]}`)")
+            return updated_node
+        self.record(original_node, APPLIED, f"`{what}()` now runs only if {self.params['guard']}")
+        if self.params["guard_import"]:
+            AddImportsVisitor.add_needed_import(self.context, self.params["guard_import"])
+        return cst.If(
+            test=cst.parse_expression(self.params["guard"]),
+            body=cst.IndentedBlock(body=[updated_node.with_changes(leading_lines=[])]),
+            leading_lines=updated_node.leading_lines,
+        )
+
+    def evidence(self, function: cst.FunctionDef) -> str | None:
+        text = cst.Module(body=[function]).code
+        if not any(c.rsplit(".", 1)[-1] + "(" in text for c in self.params["calls"]):
+            return f"`{function.name.value}` no longer calls {' or '.join(self.params['calls'])}"
+        return None

@@ -1,0 +1,451 @@
+"""The recipe engine, read as its pipeline:
+
+    discover files -> cheap text prefilter -> parse once -> run the recipe's steps -> classify -> render or write
+
+Each stage is a plain function. ``run_recipe`` strings them together and returns a
+``Report``: per step and per anchor a status (applied / already-applied /
+fixed-upstream / no-match) with the sites that justify it, per file the new text.
+Nothing is written here; ``write_report`` does that, atomically.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Iterable
+
+from . import __version__
+from .codemods import CODEMODS
+from .codemods.base import (
+    ALREADY_APPLIED,
+    APPLIED,
+    FIXED_UPSTREAM,
+    IN_PACKAGE,
+    NO_MATCH,
+    PATCHED,
+    RUNTIME_MODULE,
+    Site,
+)
+from .recipe import Recipe, StepSpec
+
+RUNTIME_FILE = RUNTIME_MODULE + ".py"
+SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".tox", ".mypy_cache", ".pytest_cache", "node_modules"}
+_DEF = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+([A-Za-z_]\w*)", re.M)
+_PROVENANCE = re.compile(r"^# ddpatch: recipe (?P<recipe>\S+) v(?P<version>\d+), ddpatch (?P<ddpatch>\S+); steps: (?P<steps>.*)$")
+_STATUS_ORDER = {NO_MATCH: 0, APPLIED: 1, ALREADY_APPLIED: 2, FIXED_UPSTREAM: 3}
+
+
+class EngineError(Exception):
+    """Bad input that stops the run (a missing path, an unknown upstream)."""
+
+
+# ----------------------------------------------------------------------------- results
+@dataclass
+class FileResult:
+    path: str
+    original: str | None  # None for a file ddpatch creates
+    patched: str | None = None  # None when unchanged
+    sites: list[Site] = field(default_factory=list)
+    functions: dict[str, int] = field(default_factory=dict)  # name -> line
+    needs_runtime: bool = False
+    error: str | None = None
+
+    @property
+    def changed(self) -> bool:
+        return self.patched is not None and self.patched != self.original
+
+
+@dataclass
+class AnchorResult:
+    function: str
+    status: str
+    message: str
+    path: str | None = None
+    line: int | None = None
+
+    def as_dict(self) -> dict:
+        return {"function": self.function, "status": self.status, "message": self.message, "path": self.path, "line": self.line}
+
+
+@dataclass
+class StepResult:
+    spec: StepSpec
+    status: str
+    anchors: list[AnchorResult]
+    sites: list[Site]
+
+    def as_dict(self) -> dict:
+        return {
+            "id": self.spec.id,
+            "codemod": self.spec.codemod,
+            "status": self.status,
+            "anchors": [a.as_dict() for a in self.anchors],
+            "sites": [s.as_dict() for s in self.sites],
+        }
+
+
+@dataclass
+class Report:
+    recipe: Recipe
+    root: Path
+    upstream: str | None
+    files: list[FileResult]
+    steps: list[StepResult]
+    missing_anchors: list[str]
+
+    @property
+    def changed(self) -> list[FileResult]:
+        return [f for f in self.files if f.changed]
+
+    @property
+    def skipped(self) -> list[FileResult]:
+        return [f for f in self.files if f.error]
+
+    @property
+    def no_match(self) -> list[StepResult]:
+        return [s for s in self.steps if s.status == NO_MATCH]
+
+    def as_dict(self) -> dict:
+        return {
+            "recipe": self.recipe.name,
+            "recipe_version": self.recipe.version,
+            "ddpatch": __version__,
+            "root": str(self.root),
+            "upstream": self.upstream,
+            "missing_anchors": self.missing_anchors,
+            "steps": [s.as_dict() for s in self.steps],
+            "files": [
+                {"path": f.path, "changed": f.changed, "created": f.original is None, "error": f.error}
+                for f in self.files
+                if f.changed or f.error
+            ],
+        }
+
+
+# ----------------------------------------------------------------------------- stage 1: discover
+def _matches(rel: str, patterns: Iterable[str]) -> bool:
+    """Glob match where ``**/`` also matches zero folders (``**/*.py`` covers ``a.py``)."""
+    for pat in patterns:
+        if fnmatch.fnmatch(rel, pat):
+            return True
+        while pat.startswith("**/"):
+            pat = pat[3:]
+            if fnmatch.fnmatch(rel, pat):
+                return True
+    return False
+
+
+def discover(root: Path, recipe: Recipe) -> tuple[list[Path], list[FileResult]]:
+    """Python files under ``root`` that the recipe covers, and the entries skipped on the way.
+
+    Symlinks are never followed out of the tree; build and VCS folders are skipped.
+    """
+    root = root.resolve()
+    if root.is_file():
+        return [root], []
+    found: list[Path] = []
+    skipped: list[FileResult] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info"))
+        for name in sorted(filenames):
+            path = Path(dirpath, name)
+            rel = path.relative_to(root).as_posix()
+            if not _matches(rel, recipe.include) or _matches(rel, recipe.exclude):
+                continue
+            if path.is_symlink():
+                target = path.resolve()
+                if not target.is_relative_to(root):
+                    skipped.append(FileResult(rel, None, error="symlink points outside the tree; not followed"))
+                    continue
+            found.append(path)
+    return found, skipped
+
+
+# ----------------------------------------------------------------------------- stage 2: prefilter
+def prefilter(text: str, steps: Iterable[tuple[StepSpec, type]]) -> list[tuple[StepSpec, type]]:
+    """The steps whose trigger text occurs in ``text``; files with none are never parsed."""
+    return [(spec, cls) for spec, cls in steps if any(t in text for t in cls.triggers(spec.params))]
+
+
+def defined_functions(text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for m in _DEF.finditer(text):
+        out.setdefault(m.group(1), text.count("\n", 0, m.start()) + 1)
+    return out
+
+
+# ----------------------------------------------------------------------------- stage 3+4: parse and transform
+def read_source(path: Path) -> str:
+    data = path.read_bytes()
+    if b"\x00" in data[:8192]:
+        raise ValueError("binary file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def transform_source(text: str, steps: list[tuple[StepSpec, type]], in_package: bool) -> tuple[str, list[Site], bool]:
+    """Parse ``text`` once and run ``steps`` in order; returns new text, sites, and whether the runtime is used."""
+    import libcst as cst
+    from libcst.codemod import CodemodContext
+    from libcst.codemod.visitors import AddImportsVisitor
+    from libcst.metadata import MetadataWrapper
+
+    module = cst.parse_module(text)
+    sites: list[Site] = []
+    needs_runtime = False
+    for spec, cls in steps:
+        context = CodemodContext()
+        context.scratch[IN_PACKAGE] = in_package
+        step = cls(context, **spec.params)
+        wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+        with step.resolve(wrapper):
+            step.context = context = _with_module(context, wrapper)
+            new = wrapper.module.visit(step)
+        if context.scratch.get(AddImportsVisitor.CONTEXT_KEY):
+            new = AddImportsVisitor(context).transform_module(new)
+        if any(s.status == APPLIED for s in step.sites) and cls.USES_RUNTIME:
+            needs_runtime = True
+        if cls.USES_RUNTIME and any(s.status == PATCHED for s in step.sites):
+            needs_runtime = True
+        for site in step.sites:
+            site.step = spec.id
+        sites.extend(step.sites)
+        module = new
+    return module.code, sites, needs_runtime
+
+
+def _with_module(context, wrapper):
+    from dataclasses import replace
+
+    return replace(context, wrapper=wrapper)
+
+
+def process_file(root: Path, path: Path, steps: list[tuple[StepSpec, type]], recipe: Recipe) -> FileResult:
+    rel = path.relative_to(root).as_posix() if path != root else path.name
+    try:
+        text = read_source(path)
+    except (OSError, ValueError) as exc:
+        return FileResult(rel, None, error=f"cannot read: {exc}")
+    result = FileResult(rel, text, functions=defined_functions(text))
+    active = prefilter(text, steps)
+    if not active:
+        return result
+    in_package = (path.parent / "__init__.py").exists()
+    try:
+        new, sites, result.needs_runtime = transform_source(text, active, in_package)
+    except Exception as exc:  # libcst.ParserSyntaxError and friends
+        result.error = f"cannot parse: {_one_line(exc)}"
+        return result
+    recorded = read_provenance(text)
+    for site in sites:
+        site.path = rel
+        if site.status == PATCHED:
+            site.status = ALREADY_APPLIED if site.step in recorded else FIXED_UPSTREAM
+            if site.status == FIXED_UPSTREAM:
+                site.message += " (not written by ddpatch)"
+    result.sites = sites
+    applied = {s.step for s in sites if s.status == APPLIED}
+    if applied:
+        result.patched = write_provenance(new, recorded | applied, recipe)
+    return result
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+# ----------------------------------------------------------------------------- provenance
+def read_provenance(text: str) -> set[str]:
+    for line in text.splitlines()[:3]:
+        m = _PROVENANCE.match(line)
+        if m:
+            return {s.strip() for s in m.group("steps").split(",") if s.strip()}
+    return set()
+
+
+def provenance_line(recipe: Recipe, steps: Iterable[str]) -> str:
+    return f"# ddpatch: recipe {recipe.name} v{recipe.version}, ddpatch {__version__}; steps: {', '.join(sorted(steps))}"
+
+
+def write_provenance(text: str, steps: set[str], recipe: Recipe) -> str:
+    line = provenance_line(recipe, steps)
+    lines = text.splitlines(keepends=True)
+    for i, old in enumerate(lines[:3]):
+        if _PROVENANCE.match(old.rstrip("\r\n")):
+            lines[i] = line + "\n"
+            return "".join(lines)
+    at = 0
+    while at < len(lines) and at < 2 and (lines[at].startswith("#!") or re.match(r"^#.*coding[:=]", lines[at])):
+        at += 1
+    lines.insert(at, line + "\n")
+    return "".join(lines)
+
+
+# ----------------------------------------------------------------------------- stage 5: classify
+def _runtime_source() -> str:
+    body = Path(__file__).with_name("runtime.py").read_text(encoding="utf-8")
+    head = (
+        f"# ddpatch: runtime helper copied by ddpatch {__version__}; do not edit, re-run `ddpatch apply` to update.\n"
+        "# Source: patcher/runtime.py in ddpatch (MIT).\n"
+    )
+    return head + body
+
+
+def add_runtime_files(root: Path, files: list[FileResult]) -> list[FileResult]:
+    """One runtime module next to every patched file that calls it."""
+    wanted = sorted({PurePosixPath(f.path).parent for f in files if f.needs_runtime})
+    if not wanted:
+        return []
+    source = _runtime_source()
+    out = []
+    for folder in wanted:
+        rel = (folder / RUNTIME_FILE).as_posix()
+        path = root / rel
+        old = path.read_text(encoding="utf-8") if path.exists() else None
+        out.append(FileResult(rel, old, patched=source if old != source else None))
+    return out
+
+
+def classify(recipe: Recipe, upstream: str | None, files: list[FileResult], texts: dict[str, str]) -> list[StepResult]:
+    defined: dict[str, tuple[str, int]] = {}
+    for f in files:
+        for name, line in f.functions.items():
+            defined.setdefault(name, (f.path, line))
+    results = []
+    for spec in recipe.steps:
+        if not spec.applies_to(upstream):
+            continue
+        sites = sorted((s for f in files for s in f.sites if s.step == spec.id), key=lambda s: (s.path, s.line))
+        anchors = []
+        for fn in spec.anchors.get(upstream, ()) if upstream else ():
+            in_fn = [s for s in sites if s.function == fn]
+            if fn not in defined:
+                anchors.append(AnchorResult(fn, NO_MATCH, f"function `{fn}` is not defined anywhere in the tree"))
+                continue
+            path, line = defined[fn]
+            if in_fn:
+                best = min(in_fn, key=lambda s: _STATUS_ORDER[s.status])
+                anchors.append(AnchorResult(fn, best.status, best.message, best.path, best.line))
+                continue
+            reason = _evidence(spec, fn, texts.get(path))
+            if reason:
+                anchors.append(AnchorResult(fn, FIXED_UPSTREAM, reason, path, line))
+            else:
+                anchors.append(AnchorResult(fn, NO_MATCH, f"`{fn}` has no site for this step", path, line))
+        results.append(StepResult(spec, _aggregate(anchors, sites), anchors, sites))
+    return results
+
+
+def _aggregate(anchors: list[AnchorResult], sites: list[Site]) -> str:
+    statuses = [a.status for a in anchors] + [s.status for s in sites]
+    if not statuses or NO_MATCH in statuses:
+        return NO_MATCH
+    for status in (APPLIED, ALREADY_APPLIED, FIXED_UPSTREAM):
+        if status in statuses:
+            return status
+    return NO_MATCH
+
+
+def _evidence(spec: StepSpec, fn: str, text: str | None) -> str | None:
+    if text is None:
+        return None
+    import libcst as cst
+    from libcst.codemod import CodemodContext
+
+    try:
+        module = cst.parse_module(text)
+    except Exception:
+        return None
+    step = CODEMODS[spec.codemod](CodemodContext(), **spec.params)
+    for node in _functions_named(module, fn):
+        reason = step.evidence(node)
+        if reason:
+            return reason
+    return None
+
+
+def _functions_named(module, name: str):
+    import libcst as cst
+
+    found = []
+
+    class _Find(cst.CSTVisitor):
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+            if node.name.value == name:
+                found.append(node)
+
+    module.visit(_Find())
+    return found
+
+
+# ----------------------------------------------------------------------------- the pipeline
+def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: int = 1) -> Report:
+    root = Path(root)
+    if not root.exists():
+        raise EngineError(f"path does not exist: {root}")
+    root = root.resolve()
+    base = root if root.is_dir() else root.parent
+    paths, skipped = discover(root, recipe)
+    if not paths and not skipped:
+        raise EngineError(f"no Python files matching {', '.join(recipe.include)} under {root}")
+    if upstream is not None and upstream not in recipe.upstreams:
+        raise EngineError(f"unknown upstream {upstream!r} for recipe {recipe.name}; known: {', '.join(recipe.upstreams)}")
+    defined = set()
+    for path in paths:
+        try:
+            defined.update(defined_functions(path.read_text(encoding="utf-8", errors="replace")))
+        except OSError:
+            pass
+    if upstream is None:
+        upstream = recipe.detect_upstream(defined)
+    specs = [(spec, CODEMODS[spec.codemod]) for spec in recipe.steps if spec.applies_to(upstream)]
+    files = _map_files(base, paths, specs, recipe, jobs)
+    files += add_runtime_files(base, files)
+    texts = {f.path: f.original for f in files if f.original is not None}
+    steps = classify(recipe, upstream, files, texts)
+    missing = sorted(a for a in (recipe.upstreams[upstream].anchors if upstream else ()) if a not in defined)
+    return Report(recipe, root, upstream, files + skipped, steps, missing)
+
+
+def _map_files(root: Path, paths: list[Path], specs, recipe: Recipe, jobs: int) -> list[FileResult]:
+    if jobs <= 1 or len(paths) < 8:
+        return [process_file(root, p, specs, recipe) for p in paths]
+    n = len(paths)
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(process_file, [root] * n, paths, [specs] * n, [recipe] * n, chunksize=8))
+
+
+# ----------------------------------------------------------------------------- writing
+def atomic_write(path: Path, text: str) -> None:
+    """Write via a temp file in the same folder and ``os.replace``: the file is whole-old or whole-new."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mode = path.stat().st_mode & 0o7777 if path.exists() else None
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".ddpatch-tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_report(report: Report, dest_root: Path) -> list[str]:
+    base = report.root if report.root.is_dir() else report.root.parent
+    written = []
+    for f in report.changed:
+        atomic_write(Path(dest_root if dest_root else base) / f.path, f.patched or "")
+        written.append(f.path)
+    return written
