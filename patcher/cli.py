@@ -295,6 +295,146 @@ def check(path, recipe_name, select, ignore, upstream, jobs, verbose, fmt) -> No
     sys.exit(code)
 
 
+def _ints(value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+
+
+def verify_options(fn):
+    from .presets import PRESETS
+
+    options = [
+        click.option("--preset", "presets", multiple=True, type=click.Choice(sorted(PRESETS)), help="Built-in tiny model (repeatable). Default: tiny-qwen3_5."),
+        click.option("--target", type=click.Path(path_type=Path), default=None, help="A local target model folder (from_pretrained, offline)."),
+        click.option("--draft", type=click.Path(path_type=Path), default=None, help="A local draft model folder for the tree's DFlashDraftModel."),
+        click.option("--device-map", default=None, help="accelerate device_map for real models, e.g. auto."),
+        click.option("--dtype", default=None, help="torch dtype for real models (default bfloat16)."),
+        click.option("--attn-implementation", default=None, help="Target attention implementation (default sdpa)."),
+        click.option("--trust-remote-code", is_flag=True, help="Allow model code from the model folder (off by default)."),
+        click.option("--seeds", default=None, help="Comma-separated seeds (default 0,1)."),
+        click.option("--prompts", type=int, default=None, help="Prompts per seed (default 2)."),
+        click.option("--max-new-tokens", type=int, default=None, help="New tokens per prompt (default 32)."),
+        click.option("--block-size", type=int, default=None, help="Draft block size (default 4)."),
+        click.option("--tree-budgets", default=None, help="DDTree node budgets, comma-separated (default 4,8)."),
+        click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds before the verifier is stopped."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _verify_options(presets, target, draft, device_map, dtype, attn_implementation, trust_remote_code, seeds, prompts, max_new_tokens, block_size, tree_budgets):
+    return dict(
+        presets=list(presets) or None,
+        target=str(target) if target else None,
+        draft=str(draft) if draft else None,
+        device_map=device_map,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code or None,
+        seeds=_ints(seeds),
+        prompts=prompts,
+        max_new_tokens=max_new_tokens,
+        block_size=block_size,
+        tree_budgets=_ints(tree_budgets),
+    )
+
+
+def _verify_and_report(tree: Path, fmt: str, timeout: float, options: dict) -> int:
+    from .report import console, print_json
+    from .verify import VerifyError, render, run_verify
+
+    try:
+        if fmt == "json" or not sys.stderr.isatty():
+            outcome = run_verify(tree, timeout=timeout, **options)
+        else:
+            from rich.progress import Progress
+
+            with Progress(console=console(sys.stderr), transient=True) as bar:
+                task = bar.add_task("verify: loading", total=None)
+                outcome = run_verify(
+                    tree, timeout=timeout,
+                    progress=lambda e: bar.update(task, completed=e["done"], total=e["total"], description=e["label"]),
+                    **options,
+                )
+    except VerifyError as exc:
+        raise Failure(str(exc)) from None
+    code = EXIT_OK if outcome.passed else EXIT_PENDING
+    if fmt == "json":
+        print_json({"command": "verify", "passed": outcome.passed, "seconds": round(outcome.seconds, 2), **outcome.result, "exit_code": code})
+    else:
+        render(outcome)
+    return code
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@verify_options
+@FORMAT
+@friendly
+def verify(path, presets, target, draft, device_map, dtype, attn_implementation, trust_remote_code, seeds, prompts, max_new_tokens, block_size, tree_budgets, timeout, fmt) -> None:
+    """Prove a patched tree decodes losslessly: speculative greedy output must equal the target's greedy.
+
+    Loads the tree's own dflash_generate / ddtree_generate / DFlashDraftModel in a child
+    process, warms up, runs a short benchmark (DFlash and DDTree at each tree budget)
+    and checks token identity, the reference decoder's own consistency, acceptance
+    lengths and speed. Exit 0 only if every check passed; 1 if a check failed; 2 on bad
+    input or a timeout.
+
+    \b
+    ddpatch verify patched/                          # tiny hybrid preset, CPU
+    ddpatch verify patched/ --preset tiny-qwen3_5-vlm
+    ddpatch verify patched/ --target /models/Qwen3.6-27B --draft /models/Qwen3.6-27B-DFlash --device-map auto --dtype bfloat16
+    """
+    options = _verify_options(presets, target, draft, device_map, dtype, attn_implementation, trust_remote_code, seeds, prompts, max_new_tokens, block_size, tree_budgets)
+    sys.exit(_verify_and_report(path, fmt, timeout, options))
+
+
+def vendored_root() -> Path:
+    root = Path(__file__).resolve().parent.parent / "vendored"
+    if not root.is_dir():
+        raise Failure("the built-in upstream-shaped code ships with the source checkout; install ddpatch with `pip install -e .` from a clone")
+    return root
+
+
+@main.command()
+@click.option("--upstream", type=click.Choice(["ddtree", "dflash"]), default="ddtree", show_default=True, help="Which built-in upstream-shaped tree to patch.")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Keep the patched tree here (default: a temporary folder).")
+@click.option("--no-verify", is_flag=True, help="Only patch and show the diff.")
+@verify_options
+@friendly
+def demo(upstream, out, no_verify, presets, target, draft, device_map, dtype, attn_implementation, trust_remote_code, seeds, prompts, max_new_tokens, block_size, tree_budgets, timeout) -> None:
+    """The main job on the embedded default: patch the built-in upstream-shaped code, show the diff, verify it."""
+    import tempfile
+
+    from .engine import write_report
+    from .report import print_diff, print_summary
+
+    source = vendored_root() / upstream
+    with tempfile.TemporaryDirectory(prefix="ddpatch-demo-") as tmp:
+        dest = _prepare_out(source, out or Path(tmp) / upstream, force=False)
+        report = _run("qwen3_6-gdn", dest, None, None, None, 1)
+        write_report(report, dest)
+        print_summary(report, "apply")
+        created = [f for f in report.changed if f.original is None]
+        shown = type(report)(report.recipe, report.root, report.upstream, [f for f in report.files if f.original is not None], report.steps, report.missing_anchors)
+        print_diff(shown)
+        for f in created:
+            click.echo(f"+ {f.path} (new file, {len((f.patched or '').splitlines())} lines: the ddpatch runtime helper)")
+        click.echo(f"patched copy of vendored/{upstream} written to {dest}\n")
+        if report.no_match:
+            sys.exit(EXIT_ERROR)
+        if no_verify:
+            return
+        options = _verify_options(presets, target, draft, device_map, dtype, attn_implementation, trust_remote_code, seeds, prompts, max_new_tokens, block_size, tree_budgets)
+        code = _verify_and_report(dest, "text", timeout, options)
+    sys.exit(code)
+
+
 @main.command()
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--force", is_flag=True, help="Also revert files edited since the apply.")

@@ -167,9 +167,17 @@ def discover(root: Path, recipe: Recipe) -> tuple[list[Path], list[FileResult]]:
 
 
 # ----------------------------------------------------------------------------- stage 2: prefilter
+_PATTERNS: dict[str, re.Pattern] = {}
+
+
 def prefilter(text: str, steps: Iterable[tuple[StepSpec, type]]) -> list[tuple[StepSpec, type]]:
-    """The steps whose trigger text occurs in ``text``; files with none are never parsed."""
-    return [(spec, cls) for spec, cls in steps if any(t in text for t in cls.triggers(spec.params))]
+    """The steps whose trigger patterns all match ``text``; a file no step wants is never parsed."""
+    out = []
+    for spec, cls in steps:
+        patterns = [_PATTERNS.setdefault(t, re.compile(t)) for t in cls.triggers({**cls.PARAMS, **spec.params})]
+        if all(p.search(text) for p in patterns):
+            out.append((spec, cls))
+    return out
 
 
 def defined_functions(text: str) -> dict[str, int]:
@@ -190,41 +198,124 @@ def read_source(path: Path) -> str:
         raise ValueError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
+def _composite(steps):
+    """All of a file's steps in one traversal of one parse.
+
+    Every step sees the original tree (so metadata is computed once, and site positions
+    are those of the file on disk); the leave-edits of the steps are chained on each
+    node in recipe order, so an edit inside a function survives a step that rewrites
+    the function around it. Steps' ``visit_<Node>``/``leave_<Node>`` methods are looked
+    up once per node type: LibCST's generic matcher dispatch costs more than the edits.
+    """
+    import libcst as cst
+
+    visits: dict[str, list] = {}
+    leaves: dict[str, list] = {}
+
+    def table(cache: dict[str, list], prefix: str, name: str) -> list:
+        if name not in cache:
+            cache[name] = [m for m in (getattr(step, prefix + name, None) for step in steps) if m is not None]
+        return cache[name]
+
+    class Composite(cst.CSTTransformer):
+        def on_visit(self, node):
+            methods = table(visits, "visit_", type(node).__name__)
+            descend = not methods
+            for method in methods:
+                descend = method(node) is not False or descend
+            return descend
+
+        def on_visit_attribute(self, node, attribute) -> None:
+            return None
+
+        def on_leave_attribute(self, original_node, attribute) -> None:
+            return None
+
+        def on_leave(self, original_node, updated_node):
+            result = updated_node
+            for method in table(leaves, "leave_", type(original_node).__name__):
+                if type(result) is not type(original_node):
+                    break  # a step replaced the node by another kind; later steps cannot edit it
+                result = method(original_node, result)
+            return result
+
+    return Composite()
+
+
 def transform_source(text: str, steps: list[tuple[StepSpec, type]], in_package: bool) -> tuple[str, list[Site], bool]:
-    """Parse ``text`` once and run ``steps`` in order; returns new text, sites, and whether the runtime is used."""
+    """Parse ``text`` once and run ``steps`` in one pass; returns new text, sites, and whether the runtime is used."""
+    from contextlib import ExitStack
+
     import libcst as cst
     from libcst.codemod import CodemodContext
     from libcst.codemod.visitors import AddImportsVisitor
     from libcst.metadata import MetadataWrapper
 
     module = cst.parse_module(text)
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    context = CodemodContext(wrapper=wrapper)
+    context.scratch[IN_PACKAGE] = in_package
+    instances = [cls(context, **spec.params) for spec, cls in steps]
+    with ExitStack() as stack:
+        for step in instances:
+            stack.enter_context(step.resolve(wrapper))
+        new = wrapper.module.visit(_composite(instances))
+    new = insert_imports(new, context.scratch.get(AddImportsVisitor.CONTEXT_KEY, []))
     sites: list[Site] = []
     needs_runtime = False
-    for spec, cls in steps:
-        context = CodemodContext()
-        context.scratch[IN_PACKAGE] = in_package
-        step = cls(context, **spec.params)
-        wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-        with step.resolve(wrapper):
-            step.context = context = _with_module(context, wrapper)
-            new = wrapper.module.visit(step)
-        if context.scratch.get(AddImportsVisitor.CONTEXT_KEY):
-            new = AddImportsVisitor(context).transform_module(new)
-        if any(s.status == APPLIED for s in step.sites) and cls.USES_RUNTIME:
-            needs_runtime = True
-        if cls.USES_RUNTIME and any(s.status == PATCHED for s in step.sites):
+    for (spec, cls), step in zip(steps, instances):
+        if cls.USES_RUNTIME and any(s.status in (APPLIED, PATCHED) for s in step.sites):
             needs_runtime = True
         for site in step.sites:
             site.step = spec.id
         sites.extend(step.sites)
-        module = new
-    return module.code, sites, needs_runtime
+    return new.code, sites, needs_runtime
 
 
-def _with_module(context, wrapper):
-    from dataclasses import replace
+def insert_imports(module, items):
+    """Add the imports steps asked for (LibCST ``ImportItem``s) after the module's import block.
 
-    return replace(context, wrapper=wrapper)
+    LibCST's AddImportsVisitor does the same with a second parse-and-metadata pass; this
+    scans only the top-level statements.
+    """
+    import libcst as cst
+
+    from .codemods.base import dotted
+
+    if not items:
+        return module
+    have: set[tuple[str, str | None]] = set()
+    after = 0  # insert after the docstring, __future__ imports and the import block
+    for i, stmt in enumerate(module.body):
+        if not isinstance(stmt, cst.SimpleStatementLine):
+            break
+        small = stmt.body[0]
+        if isinstance(small, cst.Import):
+            have.update((dotted(a.name) or "", None) for a in small.names)
+        elif isinstance(small, cst.ImportFrom):
+            mod = "." * len(small.relative) + (dotted(small.module) if small.module else "")
+            names = [] if isinstance(small.names, cst.ImportStar) else [dotted(a.name) for a in small.names]
+            have.update((mod, n) for n in names)
+        elif not (i == 0 and isinstance(small, cst.Expr) and isinstance(small.value, (cst.SimpleString, cst.ConcatenatedString))):
+            break
+        after = i + 1
+    new_lines = []
+    for item in items:
+        key = (item.module, item.obj_name)
+        if key in have:
+            continue
+        have.add(key)
+        if item.obj_name is None:
+            new_lines.append(cst.parse_statement(f"import {item.module_name}" + (f" as {item.alias}" if item.alias else "")))
+        else:
+            text = f"from {item.module} import {item.obj_name}" + (f" as {item.alias}" if item.alias else "")
+            new_lines.append(cst.parse_statement(text))
+    if not new_lines:
+        return module
+    body = list(module.body)
+    if after < len(body) and not body[after].leading_lines:
+        body[after] = body[after].with_changes(leading_lines=[cst.EmptyLine()])  # a blank line after the imports
+    return module.with_changes(body=body[:after] + new_lines + body[after:])
 
 
 def process_file(root: Path, path: Path, steps: list[tuple[StepSpec, type]], recipe: Recipe) -> FileResult:

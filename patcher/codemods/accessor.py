@@ -8,6 +8,8 @@ layout. ``lm_head`` is top-level in both Qwen3.5 layouts, so it is left alone.
 
 from __future__ import annotations
 
+import re
+
 import libcst as cst
 
 from .base import APPLIED, FIXED_UPSTREAM, PATCHED, Example, Step, dotted
@@ -16,12 +18,15 @@ from .base import APPLIED, FIXED_UPSTREAM, PATCHED, Example, Step, dotted
 class UseAccessor(Step):
     ID = "use-accessor"
     DESCRIPTION = "Replace `X.<path>` (e.g. X.model.embed_tokens) with `X.<accessor>()` (e.g. X.get_input_embeddings())."
-    TRIGGERS = ("embed_tokens", "get_input_embeddings")
+    TRIGGERS = ()
     PARAMS = {
         "path": "model.embed_tokens",
         "accessor": "get_input_embeddings",
         # Other spellings showing that upstream already reaches the object another way.
         "fixed_forms": ["language_model.embed_tokens"],
+        # A model's own methods reach into itself legitimately (and `get_input_embeddings`
+        # is usually implemented as `return self.model.embed_tokens`).
+        "skip_receivers": ["self", "cls"],
     }
     EXAMPLES = (
         Example(
@@ -37,18 +42,26 @@ class UseAccessor(Step):
         ),
     )
 
+    @classmethod
+    def triggers(cls, params) -> tuple[str, ...]:
+        forms = [r"\." + re.escape(params["path"]) + r"\b", r"\." + re.escape(params["accessor"]) + r"\(\)"]
+        forms += [re.escape(f) for f in params["fixed_forms"]]
+        return ("|".join(forms),)
+
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)
         self.parts = self.params["path"].split(".")
         self._store_depth = 0
 
     def _receiver(self, node: cst.Attribute) -> cst.BaseExpression | None:
-        """``X`` when ``node`` is ``X.<path>``."""
+        """``X`` when ``node`` is ``X.<path>`` and X is not the model itself."""
         current: cst.BaseExpression = node
         for part in reversed(self.parts):
             if not isinstance(current, cst.Attribute) or current.attr.value != part:
                 return None
             current = current.value
+        if dotted(current) in self.params["skip_receivers"]:
+            return None
         return current
 
     def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
@@ -59,7 +72,10 @@ class UseAccessor(Step):
         return updated_node
 
     def visit_Call(self, node: cst.Call) -> None:
-        if isinstance(node.func, cst.Attribute) and node.func.attr.value == self.params["accessor"] and not node.args:
+        func = node.func
+        if isinstance(func, cst.Attribute) and func.attr.value == self.params["accessor"] and not node.args:
+            if dotted(func.value) in self.params["skip_receivers"]:
+                return
             self.record(node, PATCHED, f"`{dotted(node.func) or self.params['accessor']}()` already used")
 
     def visit_Attribute(self, node: cst.Attribute) -> None:

@@ -10,6 +10,7 @@ else "sdpa"``) is left alone.
 from __future__ import annotations
 
 import json
+import re
 
 import libcst as cst
 from libcst.codemod.visitors import AddImportsVisitor
@@ -20,7 +21,7 @@ from .base import APPLIED, FIXED_UPSTREAM, PATCHED, Example, Step, code, dotted
 class AttnFallback(Step):
     ID = "attn-fallback"
     DESCRIPTION = "Fall back to sdpa when flash-attn is absent instead of raising or forcing flash_attention_2."
-    TRIGGERS = ("flash_attention_2", "flash_attn")
+    TRIGGERS = ()
     PARAMS = {"package": "flash_attn", "implementation": "flash_attention_2", "fallback": "sdpa"}
     EXAMPLES = (
         Example(
@@ -30,8 +31,8 @@ class AttnFallback(Step):
             draft_attn_implementation = "flash_attention_2"
             """,
             """
-            import importlib.util
             import warnings
+            import importlib.util
 
             if not installed_flash_attn:
                 warnings.warn("flash_attn is not installed; ddpatch falls back to sdpa attention", stacklevel=1)
@@ -45,12 +46,37 @@ class AttnFallback(Step):
         ),
     )
 
+    @classmethod
+    def triggers(cls, params) -> tuple[str, ...]:
+        return (re.escape(params["implementation"]) + "|" + re.escape(params["package"]),)
+
     def _choice(self) -> cst.BaseExpression:
         p = self.params
         AddImportsVisitor.add_needed_import(self.context, "importlib.util")
         return cst.parse_expression(
             f'("{p["implementation"]}" if importlib.util.find_spec("{p["package"]}") is not None else "{p["fallback"]}")'
         )
+
+    def __init__(self, context, **params) -> None:
+        super().__init__(context, **params)
+        self._ifs: list[cst.BaseExpression] = []
+
+    def visit_If(self, node: cst.If) -> None:
+        self._ifs.append(node.test)
+
+    def leave_If(self, original_node: cst.If, updated_node: cst.If) -> cst.If:
+        self._ifs.pop()
+        return updated_node
+
+    def _under_missing_package_check(self) -> bool:
+        """Inside ``if not <flag naming the package>:``, the shape of upstream's hard requirement."""
+        if not self._ifs:
+            return False
+        test = self._ifs[-1]
+        if not (isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not)):
+            return False
+        flag = dotted(test.expression) or ""
+        return "flash" in flag.lower()
 
     def _is_impl_literal(self, node: cst.BaseExpression) -> bool:
         return isinstance(node, cst.SimpleString) and node.evaluated_value == self.params["implementation"]
@@ -60,8 +86,8 @@ class AttnFallback(Step):
             self.record(node, PATCHED, "attention implementation already chosen at run time")
 
     def leave_Assign(self, original_node: cst.Assign, updated_node: cst.Assign) -> cst.Assign:
-        names = [dotted(t.target) or "" for t in original_node.targets]
-        if self._is_impl_literal(original_node.value) and any("attn" in n for n in names):
+        names = [t.target.value for t in original_node.targets if isinstance(t.target, cst.Name)]
+        if self._is_impl_literal(original_node.value) and any("attn_implementation" in n for n in names):
             self.record(original_node, APPLIED, f"`{names[0]}` falls back to {self.params['fallback']}")
             return updated_node.with_changes(value=self._choice())
         return updated_node
@@ -77,7 +103,7 @@ class AttnFallback(Step):
         if len(original_node.body) != 1 or not isinstance(original_node.body[0], cst.Raise):
             return updated_node
         raised = original_node.body[0].exc
-        if raised is None or self.params["package"] not in code(raised):
+        if raised is None or self.params["package"] not in code(raised) or not self._under_missing_package_check():
             return updated_node
         AddImportsVisitor.add_needed_import(self.context, "warnings")
         message = f"{self.params['package']} is not installed; ddpatch falls back to {self.params['fallback']} attention"

@@ -75,7 +75,7 @@ class Step(VisitorBasedCodemodCommand):
     #: Stable id used in recipes and reports.
     ID: ClassVar[str] = ""
     DESCRIPTION: ClassVar[str] = ""
-    #: Substrings one of which must occur in a file's text for the step to look at it.
+    #: Regular expressions that must all match a file's text for the step to parse it.
     TRIGGERS: ClassVar[tuple[str, ...]] = ()
     #: Parameters with their defaults; a recipe may override them.
     PARAMS: ClassVar[dict[str, Any]] = {}
@@ -99,7 +99,11 @@ class Step(VisitorBasedCodemodCommand):
 
     @classmethod
     def triggers(cls, params: dict[str, Any]) -> tuple[str, ...]:
-        """Text that must occur in a file for the step to parse it (the cheap prefilter)."""
+        """Regexes that must all match a file's text for the step to parse it (the cheap prefilter).
+
+        They cover both the form the step rewrites and the form it writes, so a patched
+        file is still looked at (and reported already-applied).
+        """
         return cls.TRIGGERS
 
     # -- libcst.tool integration -------------------------------------------------

@@ -11,6 +11,7 @@ are the function's own parameter names, read from its signature.
 from __future__ import annotations
 
 import json
+import re
 
 import libcst as cst
 
@@ -20,7 +21,7 @@ from .base import APPLIED, PATCHED, RUNTIME_MODULE, Example, Step, dotted
 class DecorateFunction(Step):
     ID = "decorate-function"
     DESCRIPTION = "Decorate a named function with a runtime helper bound to its first parameters."
-    TRIGGERS = ("def ",)
+    TRIGGERS = ()
     PARAMS = {"function": "compact_dynamic_cache", "decorator": "tree_commit", "bind": 3}
     USES_RUNTIME = True
     EXAMPLES = (
@@ -41,7 +42,7 @@ class DecorateFunction(Step):
 
     @classmethod
     def triggers(cls, params) -> tuple[str, ...]:
-        return (str({**cls.PARAMS, **params}["function"]),)
+        return (r"\bdef\s+" + re.escape(params["function"]) + r"\b",)
 
     def _has_decorator(self, node: cst.FunctionDef) -> bool:
         wanted = f"{RUNTIME_MODULE}.{self.params['decorator']}"

@@ -8,6 +8,8 @@ so ``from torch import cuda; cuda.synchronize()`` is found too.
 
 from __future__ import annotations
 
+import re
+
 import libcst as cst
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import PositionProvider, QualifiedNameProvider
@@ -18,7 +20,7 @@ from .base import APPLIED, FIXED_UPSTREAM, PATCHED, Example, Step, code
 class GuardCall(Step):
     ID = "guard-call"
     DESCRIPTION = "Wrap statements calling torch.cuda.synchronize/set_device in `if torch.cuda.is_available():`."
-    TRIGGERS = ("synchronize", "set_device")
+    TRIGGERS = ()
     PARAMS = {
         "calls": ["torch.cuda.synchronize", "torch.cuda.set_device"],
         "guard": "torch.cuda.is_available()",
@@ -60,6 +62,10 @@ class GuardCall(Step):
             "already guarded: unchanged",
         ),
     )
+
+    @classmethod
+    def triggers(cls, params) -> tuple[str, ...]:
+        return ("|".join(re.escape(c.rsplit(".", 1)[-1]) + r"\(" for c in params["calls"]),)
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)

@@ -8,6 +8,7 @@ An import that module-level code also uses is left where it is.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 
 import libcst as cst
@@ -82,7 +83,7 @@ def _insert_at_top(body: cst.IndentedBlock, statement: cst.SimpleStatementLine) 
 class LazyImport(Step):
     ID = "lazy-import"
     DESCRIPTION = "Move a module-level import of an optional package into the functions that use it."
-    TRIGGERS = ("import",)
+    TRIGGERS = ()
     PARAMS = {"modules": ["datasets"]}
     EXAMPLES = (
         Example(
@@ -110,7 +111,7 @@ class LazyImport(Step):
 
     @classmethod
     def triggers(cls, params) -> tuple[str, ...]:
-        return tuple({**cls.PARAMS, **params}["modules"])
+        return ("|".join(r"\b" + re.escape(m) + r"\b" for m in params["modules"]),)
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)

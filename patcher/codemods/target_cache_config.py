@@ -14,6 +14,7 @@ qualified name, so aliases (``from transformers import DynamicCache as DC``) and
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -88,7 +89,7 @@ def _config_arg(owner: str) -> cst.Arg:
 class TargetCacheConfig(Step):
     ID = "target-cache-config"
     DESCRIPTION = "Give the target model's DynamicCache the target's config; leave draft caches bare."
-    TRIGGERS = ("DynamicCache",)
+    TRIGGERS = (r"DynamicCache",)
     PARAMS = {"target_names": ["target"]}
     NEEDS_SCOPE = True
     METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider)
@@ -128,6 +129,11 @@ class TargetCacheConfig(Step):
             "a local class called DynamicCache is not transformers' and is left alone",
         ),
     )
+
+    @classmethod
+    def triggers(cls, params) -> tuple[str, ...]:
+        names = "|".join(re.escape(n) for n in params["target_names"])
+        return (r"DynamicCache", rf"\b(?:{names})\b")
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)

@@ -10,6 +10,8 @@ The prefill call, outside the loop, is left as it is.
 
 from __future__ import annotations
 
+import re
+
 import libcst as cst
 
 from .base import APPLIED, PATCHED, Example, Step, dotted, is_runtime_call, keyword, runtime_call
@@ -18,7 +20,7 @@ from .base import APPLIED, PATCHED, Example, Step, dotted, is_runtime_call, keyw
 class WrapCall(Step):
     ID = "wrap-call"
     DESCRIPTION = "Route `target(..., past_key_values=...)` calls inside decode loops through `_ddpatch_runtime.verify_forward`."
-    TRIGGERS = ("past_key_values",)
+    TRIGGERS = ()
     PARAMS = {"callees": ["target"], "helper": "verify_forward", "keyword": "past_key_values", "in_loop": True}
     USES_RUNTIME = True
     EXAMPLES = (
@@ -40,6 +42,11 @@ class WrapCall(Step):
             "the prefill outside the loop is not a verify",
         ),
     )
+
+    @classmethod
+    def triggers(cls, params) -> tuple[str, ...]:
+        callees = "|".join(re.escape(c) for c in params["callees"])
+        return (re.escape(params["keyword"]), rf"\b(?:{callees})\s*\(|{re.escape(params['helper'])}\(")
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)
