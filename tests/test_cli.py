@@ -166,12 +166,13 @@ def test_no_match_blocks_writes_and_exits_2(ddtree):
 
 def test_unparseable_file_is_reported_and_skipped(ddtree):
     broken = ddtree / "broken.py"
-    broken.write_text("from transformers import DynamicCache\ndef oops(:\n")
+    source = "from transformers import DynamicCache\ndef oops(target:\n    target(past_key_values=DynamicCache())\n"
+    broken.write_text(source)
     result = run("apply", ddtree, *RECIPE, "--format", "json")
     assert result.exit_code == 2
     files = {f["path"]: f for f in json.loads(result.output)["files"]}
     assert "cannot parse" in files["broken.py"]["error"]
-    assert broken.read_text() == "from transformers import DynamicCache\ndef oops(:\n"
+    assert broken.read_text() == source
     assert "DynamicCache(config=target.config)" in (ddtree / "dflash.py").read_text()
 
 
