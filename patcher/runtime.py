@@ -72,6 +72,7 @@ __all__ = [
     "TREE_STRATEGY",
     "compact_cache",
     "crop_cache",
+    "draft_forward",
     "hybrid_linear_modules",
     "tree_commit",
     "tree_parents_from_mask",
@@ -744,3 +745,85 @@ def tree_commit(cache_arg: str, past_length_arg: str, keep_arg: str):
         return wrapper
 
     return decorate
+
+
+# --------------------------------------------------------------------------------------------
+# Draft: sliding-window layers without flash-attn
+# --------------------------------------------------------------------------------------------
+
+# model -> tuple of attention modules that declare a sliding window
+_WINDOWED: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _windowed_modules(model) -> tuple:
+    try:
+        return _WINDOWED[model]
+    except (KeyError, TypeError):
+        pass
+    found = tuple(
+        m
+        for m in model.modules()
+        if isinstance(getattr(m, "sliding_window", None), int) and isinstance(getattr(m, "layer_idx", None), int)
+    )
+    try:
+        _WINDOWED[model] = found
+    except TypeError:
+        pass
+    return found
+
+
+def draft_forward(model, *args, **kwargs):
+    """``model(*args, **kwargs)`` for a DFlash-style draft, with its sliding windows honoured.
+
+    Qwen3.6 drafters have sliding-window layers (4 of 5, window 2048). Upstream's draft
+    passes no mask and hands ``sliding_window=`` to the attention function: flash-attn
+    applies it, but sdpa and eager ignore it, so once flash-attn is absent (the fallback
+    that makes the code run) every layer silently attends to the whole context. Here each
+    windowed attention module gets an explicit mask for the call: a query at position q
+    sees a key at position k when ``q - k < window`` (the block itself stays
+    bidirectional). With flash-attn, without windowed layers, or when the caller passes
+    its own mask, this is exactly ``model(...)``.
+    """
+    modules = _windowed_modules(model)
+    impl = str(getattr(getattr(model, "config", None), "_attn_implementation", None) or "")
+    positions = kwargs.get("position_ids")
+    if not modules or impl.startswith("flash") or kwargs.get("attention_mask") is not None or positions is None:
+        return model(*args, **kwargs)
+    cache = kwargs.get("past_key_values")
+    cached = int(cache.get_seq_length()) if cache is not None else 0
+    layers = _layers(cache) if cache is not None else None
+    key_positions = torch.cat([torch.arange(cached, device=positions.device), positions[0]])
+
+    def masked(original, module):
+        signature = inspect.signature(original)
+
+        def forward(*f_args, **f_kwargs):
+            bound = signature.bind(*f_args, **f_kwargs)
+            hidden = bound.arguments.get("hidden_states", f_args[0] if f_args else None)
+            if "attention_mask" not in signature.parameters or hidden is None:
+                return original(*f_args, **f_kwargs)
+            layer = layers[module.layer_idx] if layers is not None and module.layer_idx < len(layers) else None
+            if layer is not None and getattr(layer, "is_sliding", False):
+                return original(*f_args, **f_kwargs)  # a sliding cache layer trims keys itself
+            q_pos = positions[0, -hidden.shape[1] :]
+            visible = (q_pos[:, None] - key_positions[None, :]) < module.sliding_window
+            mask = torch.zeros(visible.shape, dtype=hidden.dtype, device=hidden.device)
+            mask.masked_fill_(~visible, torch.finfo(hidden.dtype).min)
+            bound.arguments["attention_mask"] = mask[None, None]
+            return original(*bound.args, **bound.kwargs)
+
+        return forward
+
+    swapped = []
+    try:
+        for module in modules:
+            had_own, saved = "forward" in module.__dict__, module.__dict__.get("forward")
+            module.forward = masked(module.forward, module)
+            swapped.append((module, had_own, saved))
+        return model(*args, **kwargs)
+    finally:
+        for module, had_own, saved in swapped:
+            if had_own:
+                module.forward = saved
+            else:
+                del module.forward

@@ -94,6 +94,9 @@ def import_entry_points(tree: Path, modules: dict[str, str]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- models
+DRAFT_WINDOW = 16
+
+
 def load_preset(name: str, seed: int, draft_cls, block_size: int):
     import torch
 
@@ -101,7 +104,9 @@ def load_preset(name: str, seed: int, draft_cls, block_size: int):
 
     target = build_target(name, seed=seed)
     torch.manual_seed(seed + 1)
-    draft = draft_cls(draft_config(target, draft_cls.config_class, num_layers=1, block_size=block_size)).eval()
+    # two layers, the first a sliding-window one as in Qwen3.6 drafters, with a window the prompts outgrow
+    cfg = draft_config(target, draft_cls.config_class, num_layers=2, block_size=block_size, sliding_window=DRAFT_WINDOW)
+    draft = draft_cls(cfg).eval()
     return target, draft, MASK_TOKEN_ID
 
 

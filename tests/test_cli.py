@@ -24,6 +24,7 @@ STEPS = [
     "attn-fallback",
     "lazy-datasets",
     "verify-forward",
+    "draft-sliding-window",
     "tree-commit",
 ]
 

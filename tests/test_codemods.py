@@ -13,7 +13,7 @@ import pytest
 
 from patcher.codemods import CODEMODS
 from patcher.codemods.base import APPLIED
-from fixture_support import cases, run_codemod
+from fixture_support import cases, params_of, run_codemod
 
 CASES = cases()
 
@@ -22,14 +22,15 @@ CASES = cases()
 def test_fixture(codemod, path):
     before = path.read_text()
     expected = path.with_suffix(".py.out").read_text()
-    after, sites, _ = run_codemod(codemod, before)
+    params = params_of(before)
+    after, sites, _ = run_codemod(codemod, before, **params)
     assert after == expected
     ast.parse(after)
     if after == before:
         assert not [s for s in sites if s.status == APPLIED]
     else:
         assert [s for s in sites if s.status == APPLIED], "a rewrite must be reported as a site"
-    again, sites_again, _ = run_codemod(codemod, after)
+    again, sites_again, _ = run_codemod(codemod, after, **params)
     assert again == after, "a second run must change nothing"
     assert not [s for s in sites_again if s.status == APPLIED]
 
