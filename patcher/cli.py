@@ -420,12 +420,11 @@ def demo(upstream, out, no_verify, presets, target, draft, device_map, dtype, at
         report = _run("qwen3_6-gdn", dest, None, None, None, 1)
         write_report(report, dest)
         print_summary(report, "apply")
-        created = [f for f in report.changed if f.original is None]
-        shown = type(report)(report.recipe, report.root, report.upstream, [f for f in report.files if f.original is not None], report.steps, report.missing_anchors)
-        print_diff(shown)
-        for f in created:
+        print_diff(report, created=False)
+        for f in (f for f in report.changed if f.original is None):
             click.echo(f"+ {f.path} (new file, {len((f.patched or '').splitlines())} lines: the ddpatch runtime helper)")
-        click.echo(f"patched copy of vendored/{upstream} written to {dest}\n")
+        where = dest if out else f"{dest} (temporary: use --out DIR to keep it)"
+        click.echo(f"patched copy of vendored/{upstream} written to {where}\n")
         if report.no_match:
             sys.exit(EXIT_ERROR)
         if no_verify:

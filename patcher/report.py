@@ -21,8 +21,9 @@ def unified_diff(f: FileResult) -> str:
     return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)
 
 
-def diff_text(report: Report) -> str:
-    return "".join(unified_diff(f) for f in report.changed)
+def diff_text(report: Report, created: bool = True) -> str:
+    """The unified diff of every changed file; ``created=False`` leaves out files ddpatch adds."""
+    return "".join(unified_diff(f) for f in report.changed if created or f.original is not None)
 
 
 def diff_stat(report: Report) -> str:
@@ -58,9 +59,9 @@ def console(stream: IO[str] | None = None, color: str = "auto"):
     )
 
 
-def print_diff(report: Report, color: str = "auto", stream: IO[str] | None = None) -> None:
+def print_diff(report: Report, color: str = "auto", stream: IO[str] | None = None, created: bool = True) -> None:
     con = console(stream, color)
-    text = diff_text(report)
+    text = diff_text(report, created)
     if not con.is_terminal or color == "never":
         con.file.write(text)
         return
