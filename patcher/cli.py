@@ -448,5 +448,10 @@ def revert(path: Path, force: bool) -> None:
     click.echo(f"restored {len(restored)} file(s)")
 
 
+from .ci import ci as _ci  # noqa: E402
+
+main.add_command(_ci)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
