@@ -8,6 +8,7 @@ Exit codes, for every command:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import shutil
 import sys
@@ -150,7 +151,35 @@ def recipe_options(fn):
     return fn
 
 
-def _run(recipe_name, path, select, ignore, upstream, jobs):
+#: A run over at least this many files shows a progress bar (on a terminal).
+MANY_FILES = 50
+
+
+@contextlib.contextmanager
+def _progress(label: str):
+    """A ``progress(done, total)`` callback: a transient bar on stderr once a run has many files.
+
+    Nothing is drawn when stderr is not a terminal, so piped and JSON output stay as they are.
+    """
+    with contextlib.ExitStack() as stack:
+        bar = {}
+
+        def update(done: int, total: int) -> None:
+            if total < MANY_FILES or not sys.stderr.isatty():
+                return
+            if not bar:
+                from rich.progress import Progress
+
+                from .report import console
+
+                bar["progress"] = stack.enter_context(Progress(console=console(sys.stderr), transient=True))
+                bar["task"] = bar["progress"].add_task(label, total=total)
+            bar["progress"].update(bar["task"], completed=done)
+
+        yield update
+
+
+def _run(recipe_name, path, select, ignore, upstream, jobs, label="files"):
     import os
     from dataclasses import replace
 
@@ -170,7 +199,8 @@ def _run(recipe_name, path, select, ignore, upstream, jobs):
     if not chosen:
         raise RecipeError("no steps left to run after --select/--ignore")
     recipe = replace(recipe, steps=tuple(chosen))
-    return run_recipe(recipe, Path(path), upstream=upstream, jobs=jobs or os.cpu_count() or 1)
+    with _progress(label) as progress:
+        return run_recipe(recipe, Path(path), upstream=upstream, jobs=jobs or os.cpu_count() or 1, progress=progress)
 
 
 def _exit_code(report, pending: bool) -> int:
@@ -197,13 +227,13 @@ def apply(path, recipe_name, select, ignore, upstream, jobs, verbose, fmt, out, 
     Re-running on a patched tree changes nothing and reports every step as
     already-applied. A no-match step stops the run before anything is written,
     unless --allow-partial. In-place writes are journalled: `ddpatch revert PATH`
-    undoes them.
+    undoes them; a read-only file is reported and left as it is.
     """
     from . import journal
-    from .engine import write_report
+    from .engine import refuse_unwritable, write_report
     from .report import print_diff, print_json, print_summary
 
-    report = _run(recipe_name, path, select, ignore, upstream, jobs)
+    report = _run(recipe_name, path, select, ignore, upstream, jobs, "apply")
     blocked = bool(report.no_match) and not allow_partial
     written: list[str] = []
     dest = None
@@ -211,8 +241,10 @@ def apply(path, recipe_name, select, ignore, upstream, jobs, verbose, fmt, out, 
         base = report.root if report.root.is_dir() else report.root.parent
         if out is not None:
             dest = _prepare_out(report.root, out, force)
-        elif report.changed:
-            journal.record(base, {f.path: f.patched for f in report.changed}, report.recipe.label)
+        else:
+            refuse_unwritable(report)
+            if report.changed:
+                journal.record(base, {f.path: f.patched for f in report.changed}, report.recipe.label)
         written = write_report(report, dest)
     code = _exit_code(report, pending=False)
     if fmt == "json":
@@ -257,7 +289,7 @@ def diff(path, recipe_name, select, ignore, upstream, jobs, verbose, fmt, stat, 
     """
     from .report import diff_stat, diff_text, print_diff, print_json
 
-    report = _run(recipe_name, path, select, ignore, upstream, jobs)
+    report = _run(recipe_name, path, select, ignore, upstream, jobs, "diff")
     code = _exit_code(report, pending=True)
     if fmt == "json":
         print_json(_payload(report, "diff", code, diff=diff_text(report)))
@@ -284,7 +316,7 @@ def check(path, recipe_name, select, ignore, upstream, jobs, verbose, fmt) -> No
     """
     from .report import print_json, print_summary
 
-    report = _run(recipe_name, path, select, ignore, upstream, jobs)
+    report = _run(recipe_name, path, select, ignore, upstream, jobs, "check")
     code = _exit_code(report, pending=True)
     if fmt == "json":
         print_json(_payload(report, "check", code))

@@ -1,6 +1,6 @@
 """The recipe engine, read as its pipeline:
 
-    discover files -> cheap text prefilter -> parse once -> run the recipe's steps -> classify -> render or write
+    discover files -> cheap prefilter (text, then stdlib ast) -> parse once -> run the recipe's steps -> classify -> render or write
 
 Each stage is a plain function. ``run_recipe`` strings them together and returns a
 ``Report``: per step and per anchor a status (applied / already-applied /
@@ -10,10 +10,13 @@ Nothing is written here; ``write_report`` does that, atomically.
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import os
 import re
 import tempfile
+import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -30,6 +33,9 @@ from .codemods.base import (
     PATCHED,
     RUNTIME_MODULE,
     Site,
+    Step,
+    place,
+    site_positions,
 )
 from .recipe import Recipe, StepSpec
 
@@ -143,7 +149,8 @@ def _matches(rel: str, patterns: Iterable[str]) -> bool:
 def discover(root: Path, recipe: Recipe) -> tuple[list[Path], list[FileResult]]:
     """Python files under ``root`` that the recipe covers, and the entries skipped on the way.
 
-    Symlinks are never followed out of the tree; build and VCS folders are skipped.
+    Symlinks are never followed: one to a file in the tree is left to that file, one out of
+    the tree is reported. Build and VCS folders are skipped.
     """
     root = root.resolve()
     if root.is_file():
@@ -158,10 +165,9 @@ def discover(root: Path, recipe: Recipe) -> tuple[list[Path], list[FileResult]]:
             if not _matches(rel, recipe.include) or _matches(rel, recipe.exclude):
                 continue
             if path.is_symlink():
-                target = path.resolve()
-                if not target.is_relative_to(root):
+                if not path.resolve().is_relative_to(root):
                     skipped.append(FileResult(rel, None, error="symlink points outside the tree; not followed"))
-                    continue
+                continue  # writing through a link would replace it with a file
             found.append(path)
     return found, skipped
 
@@ -180,10 +186,31 @@ def prefilter(text: str, steps: Iterable[tuple[StepSpec, type]]) -> list[tuple[S
     return out
 
 
+def prefilter_tree(text: str, steps: list[tuple[StepSpec, type]]) -> list[tuple[StepSpec, type]]:
+    """Of ``steps``, those whose ``may_match`` holds on the file's stdlib ``ast``.
+
+    The text is parsed by ``ast`` only if one of the steps checks a tree; a file ``ast``
+    cannot parse keeps its steps, so that LibCST reports the error.
+    """
+    if not any(cls.may_match.__func__ is not Step.may_match.__func__ for _, cls in steps):
+        return steps
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SyntaxWarnings of upstream code are not ours to print
+            tree = ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError):
+        return steps
+    return [(spec, cls) for spec, cls in steps if cls.may_match(tree, {**cls.PARAMS, **spec.params})]
+
+
 def defined_functions(text: str) -> dict[str, int]:
     out: dict[str, int] = {}
+    line, at = 1, 0
     for m in _DEF.finditer(text):
-        out.setdefault(m.group(1), text.count("\n", 0, m.start()) + 1)
+        if m.group(1) not in out:
+            line += text.count("\n", at, m.start())  # counted on from the previous def, not from the top
+            at = m.start()
+            out[m.group(1)] = line
     return out
 
 
@@ -244,22 +271,22 @@ def _composite(steps):
 
 def transform_source(text: str, steps: list[tuple[StepSpec, type]], in_package: bool) -> tuple[str, list[Site], bool]:
     """Parse ``text`` once and run ``steps`` in one pass; returns new text, sites, and whether the runtime is used."""
-    from contextlib import ExitStack
-
     import libcst as cst
     from libcst.codemod import CodemodContext
     from libcst.codemod.visitors import AddImportsVisitor
-    from libcst.metadata import MetadataWrapper
+    from libcst.metadata import MetadataWrapper, PositionProvider
 
     module = cst.parse_module(text)
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
     context = CodemodContext(wrapper=wrapper)
     context.scratch[IN_PACKAGE] = in_package
     instances = [cls(context, **spec.params) for spec, cls in steps]
-    with ExitStack() as stack:
-        for step in instances:
-            stack.enter_context(step.resolve(wrapper))
-        new = wrapper.module.visit(_composite(instances))
+    # Positions are computed below, for the sites only; scope analysis only if a step here needs it.
+    wanted = {p for step in instances for p in step.get_inherited_dependencies()} - {PositionProvider}
+    metadata = wrapper.resolve_many(wanted)
+    for step in instances:
+        step.metadata = metadata
+    new = wrapper.module.visit(_composite(instances))
     new = insert_imports(new, context.scratch.get(AddImportsVisitor.CONTEXT_KEY, []))
     sites: list[Site] = []
     needs_runtime = False
@@ -269,6 +296,10 @@ def transform_source(text: str, steps: list[tuple[StepSpec, type]], in_package: 
         for site in step.sites:
             site.step = spec.id
         sites.extend(step.sites)
+    if sites:
+        positions = site_positions(module, [s.node for s in sites])  # the original tree: sites point at the file on disk
+        for site in sites:
+            place(site, positions)
     return new.code, sites, needs_runtime
 
 
@@ -319,20 +350,25 @@ def insert_imports(module, items):
 
 
 def process_file(root: Path, path: Path, steps: list[tuple[StepSpec, type]], recipe: Recipe) -> FileResult:
+    import libcst as cst
+
     rel = path.relative_to(root).as_posix() if path != root else path.name
     try:
         text = read_source(path)
     except (OSError, ValueError) as exc:
         return FileResult(rel, None, error=f"cannot read: {exc}")
     result = FileResult(rel, text, functions=defined_functions(text))
-    active = prefilter(text, steps)
+    active = prefilter_tree(text, prefilter(text, steps))
     if not active:
         return result
     in_package = (path.parent / "__init__.py").exists()
     try:
         new, sites, result.needs_runtime = transform_source(text, active, in_package)
-    except Exception as exc:  # libcst.ParserSyntaxError and friends
+    except (cst.ParserSyntaxError, RecursionError) as exc:
         result.error = f"cannot parse: {_one_line(exc)}"
+        return result
+    except Exception as exc:  # a bug in a step: this file is skipped, the rest of the run goes on
+        result.error = f"internal error (please report it): {_one_line(exc)}"
         return result
     recorded = read_provenance(text)
     for site in sites:
@@ -478,12 +514,15 @@ def _functions_named(module, name: str):
 
 
 # ----------------------------------------------------------------------------- the pipeline
-def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: int = 1) -> Report:
+def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: int = 1, progress=None) -> Report:
+    """The whole pipeline; ``progress(done, total)`` is called as files are processed."""
     root = Path(root)
     if not root.exists():
         raise EngineError(f"path does not exist: {root}")
     root = root.resolve()
     base = root if root.is_dir() else root.parent
+    if root.is_dir() and not any(root.iterdir()):
+        raise EngineError(f"empty directory: {root}")
     paths, skipped = discover(root, recipe)
     if not paths and not skipped:
         raise EngineError(f"no Python files matching {', '.join(recipe.include)} under {root}")
@@ -498,7 +537,7 @@ def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: in
     if upstream is None:
         upstream = recipe.detect_upstream(defined)
     specs = [(spec, CODEMODS[spec.codemod]) for spec in recipe.steps if spec.applies_to(upstream)]
-    files = _map_files(base, paths, specs, recipe, jobs)
+    files = _map_files(base, paths, specs, recipe, jobs, progress)
     files += add_runtime_files(base, files)
     texts = {f.path: f.original for f in files if f.original is not None}
     steps = classify(recipe, upstream, files, texts)
@@ -506,12 +545,21 @@ def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: in
     return Report(recipe, root, upstream, files + skipped, steps, missing)
 
 
-def _map_files(root: Path, paths: list[Path], specs, recipe: Recipe, jobs: int) -> list[FileResult]:
-    if jobs <= 1 or len(paths) < 8:
-        return [process_file(root, p, specs, recipe) for p in paths]
+def _map_files(root: Path, paths: list[Path], specs, recipe: Recipe, jobs: int, progress=None) -> list[FileResult]:
     n = len(paths)
+    done: list[FileResult] = []
+
+    def collect(results: Iterable[FileResult]) -> list[FileResult]:
+        for result in results:
+            done.append(result)
+            if progress is not None:
+                progress(len(done), n)
+        return done
+
+    if jobs <= 1 or n < 8:
+        return collect(process_file(root, p, specs, recipe) for p in paths)
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(process_file, [root] * n, paths, [specs] * n, [recipe] * n, chunksize=8))
+        return collect(pool.map(process_file, [root] * n, paths, [specs] * n, [recipe] * n, chunksize=8))
 
 
 # ----------------------------------------------------------------------------- writing
@@ -533,10 +581,40 @@ def atomic_write(path: Path, text: str) -> None:
         raise
 
 
+def unwritable(path: Path) -> str | None:
+    """Why ``path`` must not be patched in place, if it must not."""
+    if path.exists() and (not path.stat().st_mode & 0o222 or not os.access(path, os.W_OK)):  # root passes os.access
+        return "read-only file; not patched (make it writable to patch it)"
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        return "read-only folder; not patched"
+    return None
+
+
+def refuse_unwritable(report: Report) -> None:
+    """Skip, with the reason, each changed file that an in-place apply must not replace.
+
+    ``atomic_write`` replaces the file through its permissions (the folder is what is
+    written), so a file its owner made read-only is reported instead. A runtime helper
+    that only skipped files would import is not written either.
+    """
+    base = report.root if report.root.is_dir() else report.root.parent
+    for f in report.changed:
+        reason = unwritable(base / f.path)
+        if reason:
+            f.patched, f.error = None, reason
+    wanted = {PurePosixPath(f.path).parent for f in report.changed if f.needs_runtime}
+    for f in report.changed:
+        if PurePosixPath(f.path).name == RUNTIME_FILE and PurePosixPath(f.path).parent not in wanted:
+            f.patched = None
+
+
 def write_report(report: Report, dest_root: Path) -> list[str]:
     base = report.root if report.root.is_dir() else report.root.parent
+    delay = float(os.environ.get("DDPATCH_TEST_WRITE_DELAY") or 0)  # lets a test kill a run between two files
     written = []
     for f in report.changed:
         atomic_write(Path(dest_root if dest_root else base) / f.path, f.patched or "")
         written.append(f.path)
+        if delay:
+            time.sleep(delay)
     return written

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -207,3 +210,176 @@ def test_every_command_has_help():
                     ["revert", "--help"], ["demo", "--help"], ["recipes", "--help"], ["recipes", "show", "--help"]):
         result = run(*command)
         assert result.exit_code == 0 and "Usage:" in result.output
+
+
+# ----------------------------------------------------------------------------- bad input and faults
+GUARDED = "import torch\n\n\ndef cuda_time():\n    torch.cuda.synchronize()\n"
+
+
+def _plant(tree: Path, tmp_path: Path, kind: str) -> Path:
+    """One problem file in ``tree``; returns the path the report must name."""
+    if kind == "non-utf8":
+        bad = tree / "latin1.py"
+        bad.write_bytes(b"# caf\xe9\nimport torch\ntorch.cuda.synchronize()\n")
+    elif kind == "binary":
+        bad = tree / "blob.py"
+        bad.write_bytes(b"\x00\x01torch.cuda.synchronize()\x00" * 10)
+    elif kind == "outside-symlink":
+        outside = tmp_path / "outside.py"
+        outside.write_text(GUARDED)
+        bad = tree / "linked.py"
+        bad.symlink_to(outside)
+    elif kind == "read-only":
+        bad = tree / "timing.py"
+        bad.write_text(GUARDED)
+        bad.chmod(0o444)
+    elif kind == "unparseable":
+        bad = tree / "broken.py"
+        bad.write_text("import torch\ndef f(:\n    torch.cuda.synchronize()\n")
+    return bad
+
+
+BAD_KINDS = {
+    "non-utf8": "not UTF-8",
+    "binary": "binary file",
+    "outside-symlink": "symlink points outside the tree",
+    "read-only": "read-only file",
+    "unparseable": "cannot parse",
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_KINDS))
+def test_bad_file_is_one_line_skipped_and_the_rest_is_patched(kind, ddtree, tmp_path):
+    bad = _plant(ddtree, tmp_path, kind)
+    target = bad.resolve()
+    before = target.read_bytes()
+    mode = target.stat().st_mode
+
+    diff = run("diff", ddtree, *RECIPE, "--color", "never")
+    assert "+++ b/dflash.py" in diff.output, "the rest of the tree is still diffed"
+    lines = [line for line in diff.stderr.splitlines() if bad.name in line]
+    if kind == "read-only":  # only writing it is a problem
+        assert diff.exit_code == 1 and not lines and f"+++ b/{bad.name}" in diff.output
+    else:
+        assert diff.exit_code == 2
+        assert len(lines) == 1 and lines[0].startswith(f"ddpatch: skipped {bad.name}: ") and BAD_KINDS[kind] in lines[0]
+
+    applied = run("apply", ddtree, *RECIPE)
+    assert applied.exit_code == 2
+    lines = [line for line in applied.output.splitlines() if bad.name in line]
+    assert len(lines) == 1 and lines[0].startswith("skipped") and BAD_KINDS[kind] in lines[0]
+    assert "DynamicCache(config=target.config)" in (ddtree / "dflash.py").read_text(), "the rest of the tree is patched"
+    assert target.read_bytes() == before and target.stat().st_mode == mode
+    if kind == "outside-symlink":
+        assert bad.is_symlink(), "the link is not replaced by a file"
+    assert run("revert", ddtree).exit_code == 0
+
+
+def test_read_only_file_gets_no_runtime_helper_beside_it(ddtree):
+    (ddtree / "model" / "dflash.py").chmod(0o444)
+    before = (ddtree / "model" / "dflash.py").read_bytes()
+    result = run("apply", ddtree, *RECIPE)
+    assert result.exit_code == 2 and "model/dflash.py: read-only file" in result.output
+    assert (ddtree / "model" / "dflash.py").read_bytes() == before
+    assert not (ddtree / "model" / "_ddpatch_runtime.py").exists()
+    assert (ddtree / "_ddpatch_runtime.py").exists()
+
+
+def test_read_only_file_is_patched_into_a_copy(ddtree, tmp_path):
+    bad = _plant(ddtree, tmp_path, "read-only")
+    out = tmp_path / "patched"
+    assert run("apply", ddtree, *RECIPE, "--out", out).exit_code == 0
+    assert "if torch.cuda.is_available():" in (out / bad.name).read_text()
+    assert bad.read_text() == GUARDED
+
+
+def test_empty_directory_and_missing_path_are_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for args, needle in ((["check", tmp_path / "empty", *RECIPE], "empty directory"), (["diff", tmp_path / "nope", *RECIPE], "path does not exist")):
+        result = run(*args)
+        assert result.exit_code == 2
+        assert result.stderr.strip().splitlines() == [result.stderr.strip()] and needle in result.stderr
+        assert result.stderr.startswith("ddpatch: error:")
+
+
+def test_symlink_inside_the_tree_is_left_to_its_target(ddtree):
+    (ddtree / "alias.py").symlink_to(ddtree / "dflash.py")
+    assert run("apply", ddtree, *RECIPE).exit_code == 0
+    assert (ddtree / "alias.py").is_symlink()
+    assert "DynamicCache(config=target.config)" in (ddtree / "alias.py").read_text()
+
+
+def test_killed_apply_leaves_whole_files_and_revert_restores_them(ddtree, tmp_path):
+    before = snapshot(ddtree)
+    expected = tmp_path / "expected"
+    assert run("apply", ddtree, *RECIPE, "--out", expected).exit_code == 0
+    patched = snapshot(expected)
+    changed = sorted(p for p in patched if patched[p] != before.get(p))
+    assert len(changed) >= 3
+
+    env = {**os.environ, "DDPATCH_HOME": os.environ["DDPATCH_HOME"], "DDPATCH_TEST_WRITE_DELAY": "3"}
+    proc = subprocess.Popen([sys.executable, "-m", "patcher", "apply", str(ddtree), *RECIPE, "-j", "1"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and snapshot(ddtree) == before:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)  # in the pause after the first replaced file
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    now = snapshot(ddtree)
+    assert not [p for p in now if p.endswith(".ddpatch-tmp")]
+    for path in changed:
+        assert now.get(path) in (before.get(path), patched[path]), f"{path} is neither original nor patched"
+    done = [p for p in changed if now.get(p) == patched[p]]
+    assert done and len(done) < len(changed), "killed halfway"
+    reverted = run("revert", ddtree)
+    assert reverted.exit_code == 0, reverted.output
+    assert snapshot(ddtree) == before
+
+
+def test_progress_bar_only_on_a_terminal_and_for_many_files(monkeypatch):
+    import io
+
+    from patcher import cli
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for total, tty, drawn in ((200, True, True), (10, True, False), (200, False, False)):
+        stream = Terminal() if tty else io.StringIO()
+        monkeypatch.setattr(cli.sys, "stderr", stream)
+        with cli._progress("diff") as progress:
+            for done in range(1, total + 1):
+                progress(done, total)
+        assert bool(stream.getvalue()) == drawn, (total, tty)
+
+
+def test_run_recipe_reports_progress(ddtree):
+    from patcher.engine import run_recipe
+    from patcher.recipe import load_recipe
+
+    calls = []
+    report = run_recipe(load_recipe("qwen3_6-gdn"), ddtree, jobs=2, progress=lambda done, total: calls.append((done, total)))
+    total = len([f for f in report.files if not f.path.endswith("_ddpatch_runtime.py")])
+    assert calls == [(i, total) for i in range(1, total + 1)]
+
+
+def test_libcst_tool_command_runs_the_same_steps():
+    """benchmarks/bench_engine.py times this command against ddpatch; it must do the same work."""
+    import libcst as cst
+    from libcst.codemod import CodemodContext
+
+    from patcher.codemods import CODEMODS
+    from patcher.codemods.libcst_recipe import QwenRecipe
+    from patcher.engine import transform_source
+    from patcher.recipe import load_recipe
+
+    path = VENDORED / "ddtree" / "dflash.py"
+    text = path.read_text()
+    theirs = QwenRecipe(CodemodContext(filename=str(path))).transform_module(cst.parse_module(text)).code
+    ours, _sites, _ = transform_source(text, [(s, CODEMODS[s.codemod]) for s in load_recipe("qwen3_6-gdn").steps], in_package=False)
+    assert theirs == ours != text

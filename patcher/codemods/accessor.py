@@ -44,9 +44,13 @@ class UseAccessor(Step):
 
     @classmethod
     def triggers(cls, params) -> tuple[str, ...]:
-        forms = [r"\." + re.escape(params["path"]) + r"\b", r"\." + re.escape(params["accessor"]) + r"\(\)"]
-        forms += [re.escape(f) for f in params["fixed_forms"]]
-        return ("|".join(forms),)
+        # `self.model.embed_tokens` is in every transformers model: a skipped receiver right
+        # before the dot does not trigger (`x.self.model...` and `(self).model...` still do)
+        skip = "".join(rf"(?<![^\w.]{re.escape(r)})" for r in params["skip_receivers"])
+        forms = [re.escape(params["path"]) + r"\b", re.escape(params["accessor"]) + r"\(\)"]
+        forms += [re.escape(f) + r"\b" for f in params["fixed_forms"]]
+        words = dict.fromkeys(f.rsplit(".", 1)[-1] for f in [params["path"], params["accessor"], *params["fixed_forms"]])
+        return ("|".join(re.escape(w) for w in words), skip + r"\.(?:" + "|".join(forms) + ")")
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)
@@ -80,8 +84,9 @@ class UseAccessor(Step):
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         text = dotted(node) or ""
-        if any(text.endswith("." + form) for form in self.params["fixed_forms"]):
-            self.record(node, FIXED_UPSTREAM, f"upstream reaches it as `{text}`")
+        for form in self.params["fixed_forms"]:
+            if text.endswith("." + form) and text[: -len(form) - 1] not in self.params["skip_receivers"]:
+                self.record(node, FIXED_UPSTREAM, f"upstream reaches it as `{text}`")
 
     def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> cst.BaseExpression:
         if self._store_depth:

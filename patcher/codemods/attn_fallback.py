@@ -9,13 +9,33 @@ else "sdpa"``) is left alone.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 
 import libcst as cst
 from libcst.codemod.visitors import AddImportsVisitor
 
-from .base import APPLIED, FIXED_UPSTREAM, PATCHED, Example, Step, code, dotted
+from .base import APPLIED, FIXED_UPSTREAM, PATCHED, Example, Step, ast_dotted, ast_inside, ast_nodes, code, dotted
+
+
+def _strings(node: cst.CSTNode, kind: type) -> list:
+    found = []
+
+    class _Collect(cst.CSTVisitor):
+        def on_visit(self, n: cst.CSTNode) -> bool:
+            if isinstance(n, kind):
+                found.append(n)
+            return True
+
+    node.visit(_Collect())
+    return found
+
+
+def _names(raised: ast.Raise, package: str) -> bool:
+    return raised.exc is not None and any(
+        isinstance(n, ast.Constant) and isinstance(n.value, str) and package in n.value for n in ast.walk(raised.exc)
+    )
 
 
 class AttnFallback(Step):
@@ -50,6 +70,32 @@ class AttnFallback(Step):
     def triggers(cls, params) -> tuple[str, ...]:
         return (re.escape(params["implementation"]) + "|" + re.escape(params["package"]),)
 
+    @classmethod
+    def may_match(cls, tree: ast.Module, params) -> bool:
+        # transformers names flash_attention_2 in hundreds of files; a site is one of four shapes
+        impl, package = params["implementation"], params["package"]
+
+        def is_impl(node: ast.expr) -> bool:
+            return isinstance(node, ast.Constant) and node.value == impl
+
+        for node in ast_nodes(tree, ast.keyword):
+            if node.arg == "attn_implementation" and is_impl(node.value):
+                return True
+        for node in ast_nodes(tree, ast.Assign):
+            if is_impl(node.value) and any(isinstance(t, ast.Name) and "attn_implementation" in t.id for t in node.targets):
+                return True
+        for node in ast_nodes(tree, ast.IfExp):
+            if any(isinstance(c, ast.Call) and c.args and isinstance(c.args[0], ast.Constant) and c.args[0].value == package
+                   for c in ast.walk(node.test)):
+                return True  # may be a `find_spec("<package>")` choice already made
+        raises = [r for r in ast_nodes(tree, ast.Raise) if _names(r, package)]
+        for node in ast_nodes(tree, ast.If) if raises else ():
+            test = node.test
+            if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and "flash" in (ast_dotted(test.operand) or "").lower():
+                if any(ast_inside(r, node) for r in raises):
+                    return True
+        return False
+
     def _choice(self) -> cst.BaseExpression:
         p = self.params
         AddImportsVisitor.add_needed_import(self.context, "importlib.util")
@@ -78,6 +124,12 @@ class AttnFallback(Step):
         flag = dotted(test.expression) or ""
         return "flash" in flag.lower()
 
+    def _names_package(self, raised: cst.BaseExpression) -> bool:
+        """Whether the error's message names the package; ``f"...{flash_attn_version}"`` names a variable."""
+        texts = [n.evaluated_value for n in _strings(raised, cst.SimpleString)]
+        texts += [n.value for n in _strings(raised, cst.FormattedStringText)]
+        return any(isinstance(t, str) and self.params["package"] in t for t in texts)
+
     def _is_impl_literal(self, node: cst.BaseExpression) -> bool:
         return isinstance(node, cst.SimpleString) and node.evaluated_value == self.params["implementation"]
 
@@ -103,7 +155,7 @@ class AttnFallback(Step):
         if len(original_node.body) != 1 or not isinstance(original_node.body[0], cst.Raise):
             return updated_node
         raised = original_node.body[0].exc
-        if raised is None or self.params["package"] not in code(raised) or not self._under_missing_package_check():
+        if raised is None or not self._names_package(raised) or not self._under_missing_package_check():
             return updated_node
         AddImportsVisitor.add_needed_import(self.context, "warnings")
         message = f"{self.params['package']} is not installed; ddpatch falls back to {self.params['fallback']} attention"

@@ -13,14 +13,17 @@ changed.
 from __future__ import annotations
 
 import argparse
+import ast
 import textwrap
-from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterable, Sequence
 
 import libcst as cst
 from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import PositionProvider
+from libcst.metadata.position_provider import PositionProvidingCodegenState
 
 APPLIED = "applied"
 ALREADY_APPLIED = "already-applied"
@@ -57,6 +60,8 @@ class Site:
     message: str
     step: str = ""
     path: str = ""
+    #: The node, until the engine places the site (it computes positions only for a file with sites).
+    node: Any = field(default=None, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -102,9 +107,24 @@ class Step(VisitorBasedCodemodCommand):
         """Regexes that must all match a file's text for the step to parse it (the cheap prefilter).
 
         They cover both the form the step rewrites and the form it writes, so a patched
-        file is still looked at (and reported already-applied).
+        file is still looked at (and reported already-applied). They are tried in order, so
+        the first should start with a plain word: ``re`` looks for a leading word quickly,
+        and tries every position of the file for a pattern that starts with ``\\b`` or a
+        lookbehind (seconds on a site-packages tree).
         """
         return cls.TRIGGERS
+
+    @classmethod
+    def may_match(cls, tree: ast.Module, params: dict[str, Any]) -> bool:
+        """Whether the file's stdlib ``ast`` has a node this step could report (the second prefilter).
+
+        A step whose triggers are common words (``model(``, ``flash_attn``) checks the
+        shape of its sites here: ``ast.parse`` is C, five times faster than LibCST's parser
+        (and LibCST then rebuilds every node in a traversal), so most files the triggers let
+        through are never parsed by LibCST. It may say True for a file without sites, never
+        False for a file with one (tests/test_properties.py and tests/test_corpus.py check).
+        """
+        return True
 
     # -- libcst.tool integration -------------------------------------------------
     @classmethod
@@ -130,10 +150,11 @@ class Step(VisitorBasedCodemodCommand):
         return updated_node
 
     def record(self, node: cst.CSTNode, status: str, message: str, function: str | None = ...) -> None:
-        pos = self.get_metadata(PositionProvider, node, None)
-        line, col = (pos.start.line, pos.start.column + 1) if pos is not None else (0, 0)
         fn = self.function if function is ... else function
-        self.sites.append(Site(status, line, col, fn, message, step=self.ID))
+        site = Site(status, 0, 0, fn, message, step=self.ID, node=node)
+        if PositionProvider in self.metadata:  # under libcst.tool; the engine places sites itself
+            place(site, self.metadata[PositionProvider])
+        self.sites.append(site)
 
     def runtime(self) -> cst.Name:
         """Schedule the runtime import for this file and return the name to call through."""
@@ -151,6 +172,64 @@ class Step(VisitorBasedCodemodCommand):
         return None
 
 
+def place(site: Site, positions) -> None:
+    pos = positions.get(site.node)
+    site.line, site.column = (pos.start.line, pos.start.column + 1) if pos is not None else (0, 0)
+    site.node = None
+
+
+class _SitePositions(PositionProvidingCodegenState):
+    """PositionProvider's code generation, keeping track of positions only inside the nodes asked for.
+
+    PositionProvider records a range for every node of a file, which costs more than
+    parsing it; a file's sites are a few nodes. Outside them the tokens are only
+    collected, and counted when the next wanted node starts.
+    """
+
+    def __init__(self, module: cst.Module, provider: PositionProvider, wanted: set) -> None:
+        super().__init__(default_indent=module.default_indent, default_newline=module.default_newline, provider=provider)
+        self.wanted = wanted
+        self.depth = 0  # nodes open since a wanted node started
+        self.counted = 0  # tokens already folded into line/column
+
+    def add_indent_tokens(self) -> None:
+        self.tokens.extend(self.indent_tokens)
+        if self.depth:
+            for token in self.indent_tokens:
+                self._update_position(token)
+
+    def add_token(self, value: str) -> None:
+        self.tokens.append(value)
+        if self.depth:
+            self._update_position(value)
+
+    def before_codegen(self, node: cst.CSTNode) -> None:
+        if not self.depth:
+            if node not in self.wanted:
+                return
+            self._update_position("".join(self.tokens[self.counted:]))
+        self.depth += 1
+        super().before_codegen(node)
+
+    def after_codegen(self, node: cst.CSTNode) -> None:
+        if self.depth:
+            super().after_codegen(node)
+            self.depth -= 1
+            self.counted = len(self.tokens)
+
+    def record_syntactic_position(self, node, *, start_node=None, end_node=None):
+        if self.depth:  # start_node and end_node are always inside node
+            return super().record_syntactic_position(node, start_node=start_node, end_node=end_node)
+        return nullcontext()
+
+
+def site_positions(module: cst.Module, nodes: Iterable[cst.CSTNode]) -> dict:
+    """``PositionProvider``'s ranges for ``nodes`` (and the nodes inside them) of ``module``."""
+    provider = PositionProvider()
+    module._codegen(_SitePositions(module, provider, set(nodes)))
+    return provider._computed
+
+
 def dotted(node: cst.BaseExpression) -> str | None:
     """``a.b.c`` for a Name/Attribute chain, else None."""
     if isinstance(node, cst.Name):
@@ -159,6 +238,42 @@ def dotted(node: cst.BaseExpression) -> str | None:
         head = dotted(node.value)
         return None if head is None else f"{head}.{node.attr.value}"
     return None
+
+
+def ast_dotted(node: ast.expr) -> str | None:
+    """``dotted`` for the stdlib ``ast``, for ``may_match``."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        head = ast_dotted(node.value)
+        return None if head is None else f"{head}.{node.attr}"
+    return None
+
+
+def ast_nodes(tree: ast.Module, *kinds: type) -> list:
+    """The nodes of ``tree`` of the given kinds, for ``may_match``.
+
+    The tree is walked once and indexed by node type, and the index is kept on the tree:
+    walking it in Python costs more than ``ast.parse``, and every step asks.
+    """
+    index = tree.__dict__.get("_ddpatch_index")
+    if index is None:
+        index = {}
+        for node in ast.walk(tree):
+            index.setdefault(type(node), []).append(node)
+        tree._ddpatch_index = index
+    return [node for kind in kinds for node in index.get(kind, ())]
+
+
+def ast_calls(tree: ast.Module, keyword: str | None = None) -> list[ast.Call]:
+    """The calls in ``tree``, or those passing ``keyword=``."""
+    return [c for c in ast_nodes(tree, ast.Call) if keyword is None or any(k.arg == keyword for k in c.keywords)]
+
+
+def ast_inside(node: ast.AST, outer: ast.AST) -> bool:
+    """Whether ``node`` lies inside ``outer``, by their source spans (the stdlib ``ast`` has no parents)."""
+    return (outer.lineno, outer.col_offset) <= (node.lineno, node.col_offset) and (
+        node.end_lineno, node.end_col_offset) <= (outer.end_lineno, outer.end_col_offset)
 
 
 def code(node: cst.CSTNode) -> str:

@@ -45,7 +45,7 @@ def cache_names(function: cst.FunctionDef) -> set[str]:
 class CropCompat(Step):
     ID = "crop-compat"
     DESCRIPTION = "Rewrite `cache.crop(n)` to `_ddpatch_runtime.crop_cache(cache, n)`, legacy crop semantics on any transformers."
-    TRIGGERS = (r"\.crop\(|crop_cache\(",)
+    TRIGGERS = ("crop", r"\.crop\(|crop_cache\(")
     PARAMS = {"helper": "crop_cache"}
     USES_RUNTIME = True
     EXAMPLES = (

@@ -42,7 +42,7 @@ class DecorateFunction(Step):
 
     @classmethod
     def triggers(cls, params) -> tuple[str, ...]:
-        return (r"\bdef\s+" + re.escape(params["function"]) + r"\b",)
+        return (re.escape(params["function"]), r"\bdef\s+" + re.escape(params["function"]) + r"\b")
 
     def _has_decorator(self, node: cst.FunctionDef) -> bool:
         wanted = f"{RUNTIME_MODULE}.{self.params['decorator']}"

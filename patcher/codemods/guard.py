@@ -8,13 +8,14 @@ so ``from torch import cuda; cuda.synchronize()`` is found too.
 
 from __future__ import annotations
 
+import ast
 import re
 
 import libcst as cst
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from .base import APPLIED, FIXED_UPSTREAM, PATCHED, Example, Step, code
+from .base import APPLIED, FIXED_UPSTREAM, PATCHED, Example, Step, ast_dotted, ast_nodes, code
 
 
 class GuardCall(Step):
@@ -66,6 +67,32 @@ class GuardCall(Step):
     @classmethod
     def triggers(cls, params) -> tuple[str, ...]:
         return ("|".join(re.escape(c.rsplit(".", 1)[-1]) + r"\(" for c in params["calls"]),)
+
+    @classmethod
+    def may_match(cls, tree: ast.Module, params) -> bool:
+        # a statement that is one call to a guarded function, spelled through any of the file's
+        # imports (`torch.xpu.synchronize()` and `stream.synchronize()` are not)
+        bound: dict[str, set[str]] = {}
+        called: list[str] = []
+        for node in ast_nodes(tree, ast.Import, ast.ImportFrom):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    local = a.asname or a.name.split(".")[0]
+                    bound.setdefault(local, set()).add(a.name if a.asname else local)
+            elif not node.level:
+                for a in node.names:
+                    bound.setdefault(a.asname or a.name, set()).add(f"{node.module}.{a.name}")
+        for node in ast_nodes(tree, ast.Expr):
+            if isinstance(node.value, ast.Call):
+                name = ast_dotted(node.value.func)
+                if name:
+                    called.append(name)
+        for name in called:
+            head, _, rest = name.partition(".")
+            spellings = {name} | {b + ("." + rest if rest else "") for b in bound.get(head, ())}
+            if spellings & set(params["calls"]):
+                return True
+        return False
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)

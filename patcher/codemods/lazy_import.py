@@ -8,12 +8,13 @@ An import that module-level code also uses is left where it is.
 
 from __future__ import annotations
 
+import ast
 import re
 from collections import defaultdict
 
 import libcst as cst
 
-from .base import APPLIED, PATCHED, Example, Step, dotted
+from .base import APPLIED, PATCHED, Example, Step, ast_nodes, dotted
 
 
 def _module_of(node: cst.Import | cst.ImportFrom) -> list[str]:
@@ -111,7 +112,24 @@ class LazyImport(Step):
 
     @classmethod
     def triggers(cls, params) -> tuple[str, ...]:
-        return ("|".join(r"\b" + re.escape(m) + r"\b" for m in params["modules"]),)
+        # an import statement of the module, not the word: `datasets` is in many docstrings
+        names = "|".join(re.escape(m) for m in params["modules"])
+        return (names, rf"\bfrom[\s\\]+(?:{names})\b|\bimport\s(?:[^\n;]|\\\n)*\b(?:{names})\b")
+
+    @classmethod
+    def may_match(cls, tree: ast.Module, params) -> bool:
+        # a module-level import moves; one at the top of a function body is already moved
+        def optional(node: ast.stmt) -> bool:
+            if isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""] if not node.level else []
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            else:
+                return False
+            return any(m == w or m.startswith(w + ".") for m in modules for w in params["modules"])
+
+        bodies = [tree.body] + [n.body for n in ast_nodes(tree, ast.FunctionDef, ast.AsyncFunctionDef)]
+        return any(optional(stmt) for body in bodies for stmt in body)
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)

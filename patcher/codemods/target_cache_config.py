@@ -14,13 +14,14 @@ qualified name, so aliases (``from transformers import DynamicCache as DC``) and
 
 from __future__ import annotations
 
+import ast
 import re
 from dataclasses import dataclass, field
 
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from .base import APPLIED, FIXED_UPSTREAM, PATCHED, RUNTIME_MODULE, Example, Step, code, dotted, keyword
+from .base import APPLIED, FIXED_UPSTREAM, PATCHED, RUNTIME_MODULE, Example, Step, ast_calls, ast_dotted, code, dotted, keyword
 
 CACHE_CLASSES = ("transformers.DynamicCache", "transformers.cache_utils.DynamicCache")
 
@@ -133,7 +134,25 @@ class TargetCacheConfig(Step):
     @classmethod
     def triggers(cls, params) -> tuple[str, ...]:
         names = "|".join(re.escape(n) for n in params["target_names"])
-        return (r"DynamicCache", rf"\b(?:{names})\b")
+        return (r"DynamicCache", rf"(?:{names})\b")  # no \b in front (see Step.triggers); ast decides
+
+    @classmethod
+    def may_match(cls, tree: ast.Module, params) -> bool:
+        # every site needs a target call given `past_key_values=`, or a cache given `config=<target>...`
+        def is_target(name: str | None) -> bool:
+            return name is not None and any(name == t or name.endswith("." + t) for t in params["target_names"])
+
+        for call in ast_calls(tree):
+            for kw in call.keywords:
+                if kw.arg == "past_key_values":
+                    callee = ast_dotted(call.func)
+                    if callee is not None and callee.startswith(RUNTIME_MODULE + ".") and call.args:
+                        callee = ast_dotted(call.args[0])
+                    if is_target(callee):
+                        return True
+                elif kw.arg == "config" and is_target((ast_dotted(kw.value) or "").split(".")[0]):
+                    return True
+        return False
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)

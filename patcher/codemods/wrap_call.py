@@ -10,11 +10,12 @@ The prefill call, outside the loop, is left as it is.
 
 from __future__ import annotations
 
+import ast
 import re
 
 import libcst as cst
 
-from .base import APPLIED, PATCHED, Example, Step, dotted, is_runtime_call, keyword, runtime_call
+from .base import APPLIED, PATCHED, RUNTIME_MODULE, Example, Step, ast_calls, ast_dotted, ast_inside, ast_nodes, dotted, is_runtime_call, keyword, runtime_call
 
 
 class WrapCall(Step):
@@ -46,7 +47,25 @@ class WrapCall(Step):
     @classmethod
     def triggers(cls, params) -> tuple[str, ...]:
         callees = "|".join(re.escape(c) for c in params["callees"])
-        return (re.escape(params["keyword"]), rf"\b(?:{callees})\s*\(|{re.escape(params['helper'])}\(")
+        return (re.escape(params["keyword"]), rf"(?:{callees})\s*\(|{re.escape(params['helper'])}\(")  # ast decides
+
+    @classmethod
+    def may_match(cls, tree: ast.Module, params) -> bool:
+        # `model(..., past_key_values=...)` is in every transformers model's forward; only a
+        # call inside a loop is a verify
+        helper = f"{RUNTIME_MODULE}.{params['helper']}"
+        calls = ast_calls(tree)
+        if any(ast_dotted(call.func) == helper for call in calls):
+            return True
+        wanted = []
+        for call in calls:
+            name = ast_dotted(call.func) or ""
+            if any(name == c or name.endswith("." + c) for c in params["callees"]) and any(k.arg == params["keyword"] for k in call.keywords):
+                wanted.append(call)
+        if not wanted or not params["in_loop"]:
+            return bool(wanted)
+        loops = ast_nodes(tree, ast.For, ast.AsyncFor, ast.While)
+        return any(ast_inside(call, loop) for call in wanted for loop in loops)
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)
