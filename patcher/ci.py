@@ -270,19 +270,9 @@ class CommitEval:
 
 
 def _include_filter(recipe) -> Callable[[str], bool]:
-    import fnmatch
+    from .engine import covers
 
-    def matches(rel: str, patterns) -> bool:
-        for pat in patterns:
-            if fnmatch.fnmatch(rel, pat):
-                return True
-            while pat.startswith("**/"):
-                pat = pat[3:]
-                if fnmatch.fnmatch(rel, pat):
-                    return True
-        return False
-
-    return lambda rel: matches(rel, recipe.include) and not matches(rel, recipe.exclude)
+    return lambda rel: covers(recipe, rel)
 
 
 class Evaluator:

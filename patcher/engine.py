@@ -146,6 +146,11 @@ def _matches(rel: str, patterns: Iterable[str]) -> bool:
     return False
 
 
+def covers(recipe: Recipe, rel: str) -> bool:
+    """Whether the recipe's include/exclude globs take the tree-relative path ``rel``."""
+    return _matches(rel, recipe.include) and not _matches(rel, recipe.exclude)
+
+
 def discover(root: Path, recipe: Recipe) -> tuple[list[Path], list[FileResult]]:
     """Python files under ``root`` that the recipe covers, and the entries skipped on the way.
 
@@ -162,7 +167,7 @@ def discover(root: Path, recipe: Recipe) -> tuple[list[Path], list[FileResult]]:
         for name in sorted(filenames):
             path = Path(dirpath, name)
             rel = path.relative_to(root).as_posix()
-            if not _matches(rel, recipe.include) or _matches(rel, recipe.exclude):
+            if not covers(recipe, rel):
                 continue
             if path.is_symlink():
                 if not path.resolve().is_relative_to(root):
