@@ -123,6 +123,7 @@ class Report:
             "ddpatch": __version__,
             "root": str(self.root),
             "upstream": self.upstream,
+            "layout_detected": self.upstream is not None,
             "missing_anchors": self.missing_anchors,
             "steps": [s.as_dict() for s in self.steps],
             "files": [

@@ -40,7 +40,8 @@ class StepSpec:
     upstreams: tuple[str, ...] = ()
 
     def applies_to(self, upstream: str | None) -> bool:
-        return not self.upstreams or upstream is None or upstream in self.upstreams
+        # a step written for one layout never runs on a tree whose layout is unknown
+        return not self.upstreams or upstream in self.upstreams
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,7 @@ def print_summary(report: Report, command: str, verbose: bool = False, color: st
     from rich.table import Table
 
     con = console(stream, color)
-    up = report.upstream or "unrecognised layout"
+    up = report.upstream or "not detected"
     con.print(f"ddpatch {command} · recipe {report.recipe.label} · upstream {up} · {report.root}")
     table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
     table.add_column("step")
@@ -107,6 +107,12 @@ def print_summary(report: Report, command: str, verbose: bool = False, color: st
         for step in report.steps:
             for s in step.sites:
                 con.print(f"  {s.path}:{s.line}:{s.column} [{STATUS_STYLE.get(s.status, '')}]{s.status}[/] {step.spec.id}: {s.message}")
+    if report.upstream is None:
+        markers = "; ".join(f"{u.name}: {', '.join(u.markers)}" for u in report.recipe.upstreams.values())
+        con.print(
+            f"[yellow]upstream layout not detected[/] (markers {markers}): anchors were not checked and "
+            "layout-specific steps were skipped; pass --upstream NAME to check the tree as that layout"
+        )
     if report.missing_anchors:
         con.print(f"[yellow]expected but not found in the tree:[/] {', '.join(report.missing_anchors)}")
     for f in report.skipped:

@@ -384,7 +384,7 @@ def test_bare_repository(upstream, tmp_path):
 
 def test_forced_upstream_and_an_undetected_layout(tmp_path):
     # upstream renamed dflash_generate: the layout is no longer detected; forcing it reports the missing anchor
-    renamed = [HISTORY[0], ("rename dflash_generate", {"model/dflash.py": MODEL_HEAD + GENERATE.replace("def dflash_generate", "def _dflash_generate") + DRAFT})]
+    renamed = [HISTORY[0], ("rename dflash_generate", {"model/dflash.py": MODEL_HEAD + GENERATE.replace("def dflash_generate", "def speculative_generate") + DRAFT})]
     repo = tmp_path / "renamed"
     shas = make_repo(repo, renamed)
     detected = run_ci(RECIPE, repo, since=shas[0])
