@@ -2,8 +2,10 @@
 
 Exit codes, for every command:
   0  done, nothing pending
-  1  changes pending (``check``, ``diff``) or a verify/CI check failed
-  2  a recipe step no longer matches, bad input, or an error (one line on stderr says which)
+  1  changes pending (``check``, ``diff``), a verify check failed, or (``ci``, as CI tools
+     report failures) a step no longer matches at the newest commit
+  2  a recipe step no longer matches (``apply``/``diff``/``check``), a skipped file, bad input,
+     or an error (one line on stderr says which)
 """
 
 from __future__ import annotations
@@ -469,15 +471,20 @@ def demo(upstream, out, no_verify, presets, target, draft, device_map, dtype, at
 @main.command()
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--force", is_flag=True, help="Also revert files edited since the apply.")
+@FORMAT
 @friendly
-def revert(path: Path, force: bool) -> None:
+def revert(path: Path, force: bool, fmt: str) -> None:
     """Undo the latest in-place `ddpatch apply` on PATH, byte for byte."""
     from . import journal
+    from .report import print_json
 
     if not path.exists():
         raise Failure(f"path does not exist: {path}")
     restored = journal.revert(path.resolve(), force=force)
-    click.echo(f"restored {len(restored)} file(s)")
+    if fmt == "json":
+        print_json({"command": "revert", "root": str(path.resolve()), "restored": restored, "exit_code": EXIT_OK})
+    else:
+        click.echo(f"restored {len(restored)} file(s)")
 
 
 from .ci import ci as _ci  # noqa: E402
