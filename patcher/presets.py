@@ -54,10 +54,8 @@ def _gdn_fields() -> dict[str, Any]:
     )
 
 
-HYBRID_LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 1 + [
-    "linear_attention",
-    "full_attention",
-]
+# four Gated DeltaNet layers and two full-attention layers, interleaved like Qwen3.5's 3:1 pattern
+HYBRID_LAYERS = ["linear_attention"] * 3 + ["full_attention", "linear_attention", "full_attention"]
 
 
 def _qwen3():

@@ -88,7 +88,8 @@ class AttnFallback(Step):
             if any(isinstance(c, ast.Call) and c.args and isinstance(c.args[0], ast.Constant) and c.args[0].value == package
                    for c in ast.walk(node.test)):
                 return True  # may be a `find_spec("<package>")` choice already made
-            if is_impl(node.body) and "flash" in ast.unparse(node.test).lower():
+            fallback = isinstance(node.orelse, ast.Constant) and node.orelse.value == params["fallback"]
+            if is_impl(node.body) and fallback and "flash" in ast.unparse(node.test).lower():
                 return True  # upstream's own `"flash_attention_2" if <flash flag> else "sdpa"`
         raises = [r for r in ast_nodes(tree, ast.Raise) if _names(r, package)]
         for node in ast_nodes(tree, ast.If) if raises else ():
@@ -132,16 +133,18 @@ class AttnFallback(Step):
         texts += [n.value for n in _strings(raised, cst.FormattedStringText)]
         return any(isinstance(t, str) and self.params["package"] in t for t in texts)
 
+    def _is_literal(self, node: cst.BaseExpression, param: str) -> bool:
+        return isinstance(node, cst.SimpleString) and node.evaluated_value == self.params[param]
+
     def _is_impl_literal(self, node: cst.BaseExpression) -> bool:
-        return isinstance(node, cst.SimpleString) and node.evaluated_value == self.params["implementation"]
+        return self._is_literal(node, "implementation")
 
     def visit_IfExp(self, node: cst.IfExp) -> None:
         test = code(node.test)
         if f'find_spec("{self.params["package"]}")' in test:
             self.record(node, PATCHED, "attention implementation already chosen at run time")
-        elif self._is_impl_literal(node.body) and "flash" in test.lower():
-            fallback = code(node.orelse)
-            self.record(node, FIXED_UPSTREAM, f"upstream already picks {fallback} unless `{test}`")
+        elif self._is_impl_literal(node.body) and "flash" in test.lower() and self._is_literal(node.orelse, "fallback"):
+            self.record(node, FIXED_UPSTREAM, f"upstream already picks {self.params['fallback']} unless `{test}`")
 
     def leave_Assign(self, original_node: cst.Assign, updated_node: cst.Assign) -> cst.Assign:
         names = [t.target.value for t in original_node.targets if isinstance(t.target, cst.Name)]
