@@ -59,6 +59,7 @@ leaves the GDN layers as they are and warns once per cache (today's silent bug, 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
@@ -472,6 +473,22 @@ def _use_path_batched(plan: _TreePlan, device) -> bool:
     return plan.n_paths <= 1.5 * plan.path_len
 
 
+@contextlib.contextmanager
+def _swapped_forwards(replacements):
+    """Give each module an instance-level ``forward`` for the duration; always put back what was there."""
+    saved = [(module, "forward" in module.__dict__, module.__dict__.get("forward")) for module, _ in replacements]
+    try:
+        for module, forward in replacements:
+            module.forward = forward
+        yield
+    finally:
+        for module, had_own, previous in saved:
+            if had_own:
+                module.forward = previous
+            else:
+                module.__dict__.pop("forward", None)
+
+
 def verify_forward(model, *args, **kwargs):
     """``model(*args, **kwargs)``, recording what a lossless commit of a hybrid target needs.
 
@@ -510,20 +527,9 @@ def verify_forward(model, *args, **kwargs):
             raise ValueError(f"ddpatch: mask has {len(parents)} query rows for {length} verify tokens")
         record = _Record("tree", past_len, length, modules, plan=_tree_plan(parents, tokens.device))
         make = _path_batched_forward if _use_path_batched(record.plan, tokens.device) else _node_recurrent_forward
-        swapped = []
-        try:
-            for layer_idx, module in modules:
-                had_own = "forward" in module.__dict__
-                saved = module.__dict__.get("forward")
-                module.forward = make(module.forward, module, layer_idx, cache, record)
-                swapped.append((module, had_own, saved))
+        replacements = [(module, make(module.forward, module, layer_idx, cache, record)) for layer_idx, module in modules]
+        with _swapped_forwards(replacements):
             output = model(*args, **kwargs)
-        finally:
-            for module, had_own, saved in swapped:
-                if had_own:
-                    module.forward = saved
-                else:
-                    del module.forward
         _set_record(cache, record)  # only after a forward that completed
         return output
 
@@ -814,16 +820,5 @@ def draft_forward(model, *args, **kwargs):
 
         return forward
 
-    swapped = []
-    try:
-        for module in modules:
-            had_own, saved = "forward" in module.__dict__, module.__dict__.get("forward")
-            module.forward = masked(module.forward, module)
-            swapped.append((module, had_own, saved))
+    with _swapped_forwards([(module, masked(module.forward, module)) for module in modules]):
         return model(*args, **kwargs)
-    finally:
-        for module, had_own, saved in swapped:
-            if had_own:
-                module.forward = saved
-            else:
-                del module.forward
