@@ -102,3 +102,23 @@ def test_forward_is_restored(draft_cls):
     context, noise = inputs(draft)
     call(draft_forward, draft, context, noise)
     assert all("forward" not in m.__dict__ for m in draft.modules())
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_window_edge_is_exact(draft_cls, impl):
+    """A query at position q sees a key at k exactly when q - k < window (transformers' sliding
+    convention): the key at distance window is out, the one at window - 1 is in."""
+    draft = make_draft(draft_cls, impl)
+    context, noise = inputs(draft)
+    first_query = CONTEXT  # the block's first position
+    base = call(draft_forward, draft, context, noise)
+
+    at_window = context.clone()
+    at_window[:, first_query - WINDOW] += 5.0  # distance exactly WINDOW from the first query, more from the rest
+    assert torch.allclose(base, call(draft_forward, draft, at_window, noise), atol=1e-5)
+
+    inside = context.clone()
+    inside[:, first_query - WINDOW + 1] += 5.0  # distance WINDOW - 1: only the first query sees it
+    moved = (call(draft_forward, draft, inside, noise) - base).abs().amax(dim=-1)[0]
+    assert moved[0] > 1e-3, "the key just inside the window must count"
+    assert torch.all(moved[1:] < 1e-5), "later queries are further than the window from it"

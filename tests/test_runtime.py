@@ -8,7 +8,6 @@ deadline, derandomized so CI failures reproduce).
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import pytest
@@ -16,16 +15,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from runtime_support import ATOL, RTOL, VOCAB_DRAW, depths, model, path_to, prefill, tree_mask
+
 from patcher import runtime as rt
-from patcher.presets import build_target
 
 transformers = pytest.importorskip("transformers")
 DynamicCache = transformers.DynamicCache
 
-ATOL, RTOL = 1e-5, 1e-4
 HYBRID_MAIN = ["tiny-qwen3_5", "tiny-qwen3_5-vlm"]
 HYBRID_MORE = ["tiny-qwen3_5-moe", "tiny-qwen3-next"]
-VOCAB_DRAW = 60  # token ids drawn below the mask token
 
 
 def _settings(n):
@@ -37,20 +35,9 @@ def _settings(n):
     )
 
 
-@functools.lru_cache(maxsize=None)
-def model(name):
-    return build_target(name, seed=0)
-
-
 # ------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------
-
-
-def prefill(m, prompt):
-    cache = DynamicCache(config=m.config)
-    m(prompt, past_key_values=cache, use_cache=True)
-    return cache
 
 
 def cache_tensors(cache):
@@ -79,34 +66,6 @@ def assert_lossless(m, cache, prompt, accepted):
     assert cache.get_seq_length() == ref.get_seq_length()
     assert_same_cache(cache, ref)
     torch.testing.assert_close(next_logits(m, cache), next_logits(m, ref), atol=ATOL, rtol=RTOL)
-
-
-def tree_mask(parents, past, dtype=torch.float32):
-    """DDTree-style additive mask: each node sees the prefix, its ancestors and itself."""
-    L = len(parents)
-    mask = torch.full((1, 1, L, past + L), torch.finfo(dtype).min, dtype=dtype)
-    mask[..., :past] = 0
-    for i in range(L):
-        j = i
-        while j >= 0:
-            mask[0, 0, i, past + j] = 0
-            j = parents[j]
-    return mask
-
-
-def path_to(parents, node):
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
-
-
-def depths(parents):
-    d = [0] * len(parents)
-    for i in range(1, len(parents)):
-        d[i] = d[parents[i]] + 1
-    return d
 
 
 @rt.tree_commit("past_key_values", "past_length", "keep_current_indices")
@@ -171,7 +130,7 @@ def check_chain(name, prompt_len, block_size, k, seed):
         torch.testing.assert_close(out.logits, plain, atol=ATOL, rtol=RTOL)
         start = prompt_len + k + 1  # keep the k accepted draft tokens and block[0]
         rt.crop_cache(cache, start)
-        assert rt._get_record(cache) is None
+        assert rt._get_record(cache).settled == start
         assert_lossless(m, cache, prompt, block[:, : k + 1])
 
 
@@ -258,7 +217,7 @@ def check_tree(name, strategy, prompt_len, parents, accepted, seed, via):
             rt.compact_cache(cache, prompt_len, keep)
         else:
             compact_dynamic_cache(cache, prompt_len, keep)
-        assert rt._get_record(cache) is None
+        assert rt._get_record(cache).settled == prompt_len + len(keep)
         assert_lossless(m, cache, prompt, tokens[:, keep])
 
 
@@ -475,14 +434,13 @@ def test_crop_cache_legacy_fallback():
 
 
 def test_stale_record_is_not_committed():
-    """A record that no longer describes the cache (another forward ran after the verify) is
-    dropped, and the lossy crop that follows warns instead of replaying the wrong tokens."""
+    """A record that no longer describes the cache (another forward ran after the verify) cannot
+    be committed exactly any more: the crop that follows raises instead of going on lossy."""
     m = model("tiny-qwen3_5")
-    with torch.inference_mode(), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with torch.inference_mode():
         cache = prefill(m, torch.tensor([[1, 2, 3]]))
         rt.verify_forward(m, torch.tensor([[4, 5, 6]]), past_key_values=cache, use_cache=True)
         m(torch.tensor([[7]]), past_key_values=cache, use_cache=True)
-        rt.crop_cache(cache, 4)
+        with pytest.raises(RuntimeError, match="without committing the recorded verify"):
+            rt.crop_cache(cache, 4)
     assert rt._get_record(cache) is None
-    assert [issubclass(w.category, RuntimeWarning) for w in caught] == [True]
