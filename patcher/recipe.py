@@ -55,6 +55,10 @@ class Recipe:
     upstreams: dict[str, Upstream]
     steps: tuple[StepSpec, ...]
     source: str = ""
+    #: model_type -> the verify preset that proves a patched tree lossless on it
+    verified: dict[str, str] = field(default_factory=dict)
+    #: model_type -> the verify preset that shows the patched tree refusing it in one line
+    refused: dict[str, str] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -141,7 +145,17 @@ def parse_recipe(text: str, source: str = "<string>") -> Recipe:
         upstreams=upstreams,
         steps=tuple(steps),
         source=source,
+        verified=_model_presets(data.get("verified"), f"{source}: verified"),
+        refused=_model_presets(data.get("refused"), f"{source}: refused"),
     )
+
+
+def _model_presets(value: Any, where: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise RecipeError(f"{where}: expected a table of model_type = \"preset\"")
+    return dict(value)
 
 
 def builtin_recipes() -> dict[str, Path | Any]:

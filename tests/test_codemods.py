@@ -12,8 +12,8 @@ import ast
 import pytest
 
 from patcher.codemods import CODEMODS
-from patcher.codemods.base import APPLIED
-from fixture_support import cases, params_of, run_codemod
+from patcher.codemods.base import ALREADY_APPLIED, APPLIED, FIXED_UPSTREAM
+from fixture_support import cases, expected_statuses, params_of, run_codemod, statuses
 
 CASES = cases()
 
@@ -25,6 +25,7 @@ def test_fixture(codemod, path):
     params = params_of(before)
     after, sites, _ = run_codemod(codemod, before, **params)
     assert after == expected
+    assert statuses(codemod, before, sites) == expected_statuses(path), "sites and their statuses (the .py.status file)"
     ast.parse(after)
     if after == before:
         assert not [s for s in sites if s.status == APPLIED]
@@ -41,6 +42,13 @@ def test_every_codemod_has_fixtures_that_change_and_that_must_not():
         changed = [p for p in paths if p.read_text() != p.with_suffix(".py.out").read_text()]
         assert changed, f"{codemod}: no before/after fixture"
         assert len(changed) < len(paths), f"{codemod}: no must-not-change fixture"
+
+
+def test_every_codemod_has_fixtures_that_expect_each_status():
+    for codemod in CODEMODS:
+        seen = {line.split()[1] for c, p in CASES if c == codemod for line in expected_statuses(p)}
+        for status in (APPLIED, ALREADY_APPLIED, FIXED_UPSTREAM):
+            assert status in seen, f"{codemod}: no fixture expects {status}"
 
 
 EXAMPLES = [(cls.ID, i, ex.clean()) for cls in CODEMODS.values() for i, ex in enumerate(cls.EXAMPLES)]

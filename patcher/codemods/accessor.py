@@ -4,6 +4,16 @@
 ``Qwen3_5ForConditionalGeneration`` it is nested (``X.model.language_model``), and the
 attribute access raises AttributeError. ``X.get_input_embeddings()`` is right in every
 layout. ``lm_head`` is top-level in both Qwen3.5 layouts, so it is left alone.
+
+Statuses and the evidence each rests on:
+
+* ``applied`` -- ``X.model.embed_tokens`` (X not the model's own ``self``) became
+  ``X.get_input_embeddings()``; an attribute chain split over lines is the same chain.
+* ``already-applied`` / ``fixed-upstream`` -- ``X.get_input_embeddings()`` is called
+  (``already-applied`` with ddpatch's provenance line), or upstream reaches the
+  embeddings as ``X.model.language_model.embed_tokens``; in the anchor or in a function of
+  the tree it calls (an ``_embed(target, ids)`` helper: the engine follows the call).
+* ``no-match`` -- none of these in the anchor or what it calls.
 """
 
 from __future__ import annotations
@@ -47,10 +57,14 @@ class UseAccessor(Step):
         # `self.model.embed_tokens` is in every transformers model: a skipped receiver right
         # before the dot does not trigger (`x.self.model...` and `(self).model...` still do)
         skip = "".join(rf"(?<![^\w.]{re.escape(r)})" for r in params["skip_receivers"])
-        forms = [re.escape(params["path"]) + r"\b", re.escape(params["accessor"]) + r"\(\)"]
-        forms += [re.escape(f) + r"\b" for f in params["fixed_forms"]]
+        # an attribute chain may be split over lines inside parentheses: `(target\n    .model\n    .embed_tokens)`
+        def chain(dotted_path: str) -> str:
+            return r"\s*\.\s*".join(re.escape(part) for part in dotted_path.split("."))
+
+        forms = [chain(params["path"]) + r"\b", re.escape(params["accessor"]) + r"\s*\(\s*\)"]
+        forms += [chain(f) + r"\b" for f in params["fixed_forms"]]
         words = dict.fromkeys(f.rsplit(".", 1)[-1] for f in [params["path"], params["accessor"], *params["fixed_forms"]])
-        return ("|".join(re.escape(w) for w in words), skip + r"\.(?:" + "|".join(forms) + ")")
+        return ("|".join(re.escape(w) for w in words), skip + r"\.\s*(?:" + "|".join(forms) + ")")
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)

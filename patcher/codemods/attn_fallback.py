@@ -5,6 +5,15 @@ Upstream benchmarks raise when ``flash_attn`` is missing and hard-code
 ``"flash_attention_2"`` given as an attention implementation becomes a choice made at
 run time. A choice the user makes explicitly (``"flash_attention_2" if args.flash_attn
 else "sdpa"``) is left alone.
+
+Statuses and the evidence each rests on:
+
+* ``applied`` -- a raise for a missing flash-attn became a warning, or a bare
+  ``"flash_attention_2"`` became a run-time choice that falls back to sdpa.
+* ``already-applied`` / ``fixed-upstream`` -- the choice already is made at run time with
+  ``find_spec("flash_attn")`` (``already-applied`` with ddpatch's provenance line), or
+  upstream picks sdpa itself unless flash-attn is asked for or present.
+* ``no-match`` -- the anchor has neither.
 """
 
 from __future__ import annotations

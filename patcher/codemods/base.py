@@ -164,6 +164,19 @@ class Step(VisitorBasedCodemodCommand):
             AddImportsVisitor.add_needed_import(self.context, RUNTIME_MODULE)
         return cst.Name(RUNTIME_MODULE)
 
+    #: A regex a file's text must match for ``scan_tree`` to be given it (None: no tree scan).
+    TREE_TRIGGER: ClassVar[str | None] = None
+
+    @classmethod
+    def scan_tree(cls, sources: dict[str, str], params: dict[str, Any]) -> dict[str, Any]:
+        """Parameters the step derives from the whole tree before files are run one by one.
+
+        ``sources`` maps tree-relative paths to the texts that match ``TREE_TRIGGER``. A
+        fact that lives in another file (the drafter's class, for a call in the decoder)
+        reaches the per-file run this way; the result is merged into the step's params.
+        """
+        return {}
+
     def evidence(self, function: cst.FunctionDef) -> str | None:
         """Evidence that ``function`` (an anchor with no site) no longer needs this step.
 

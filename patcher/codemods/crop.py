@@ -1,51 +1,75 @@
-"""CropCompat: route legacy ``cache.crop(n)`` through a helper that works on every transformers.
+"""CropCompat: give every cache crop the meaning its author wrote, on every transformers.
 
-Upstream was written for transformers 4.x, where ``crop(n)`` with ``n >= 0`` meant "keep
-the first n tokens". On 5.x that raises ValueError for every model: crop now takes a
-negative count of tokens to drop, and on linear-attention layers it raises unless past
-recording is on. ``_ddpatch_runtime.crop_cache(cache, n)`` keeps the legacy meaning on
-both, and (once a verify was recorded) rolls the Gated DeltaNet state back exactly.
+Upstream written for transformers 4.x calls ``crop(n)`` with ``n >= 0`` meaning "keep the
+first n tokens". On 5.x that raises ValueError for every model: crop now takes a negative
+count of tokens to drop. ``_ddpatch_runtime.crop_cache(cache, n)`` keeps the 4.x meaning
+on both. A crop already written for 5.x must keep *its* meaning: rewriting a count into
+``crop_cache`` would read a count of 0 ("drop nothing") as "keep nothing".
 
-Only receivers that are caches by data flow are rewritten: a name assigned from a
-``*Cache(...)`` call, passed as ``past_key_values=``, or a parameter annotated as a
-cache or named ``past_key_values``. ``image.crop(box)`` is left alone.
+So the step reads each crop's argument (data flow inside the module, ``flow.py``):
+
+* a **5.x count**: a negative literal or ``-(...)``; ``x - <cache>.get_seq_length()``;
+  a local name or a helper parameter computed only that way (a parameter through every
+  call of the helper in the module);
+* a **4.x length**: anything else that reads no ``get_seq_length()`` and no count;
+* **ambiguous**: a mix of the two (a name assigned both ways, a helper called with both),
+  or an expression that reads ``get_seq_length()`` in another form (``len - n``).
+
+Only receivers that are caches by data flow are touched: a name built by a ``*Cache(...)``
+call or a cache factory of the module, given to a model as ``past_key_values=``, a
+parameter called ``past_key_values`` or annotated as a cache, one that ``.get_seq_length()``
+is called on, or a helper parameter bound to a cache. ``image.crop(box)`` is left alone.
+
+Statuses and the evidence each rests on:
+
+* ``applied`` -- a crop whose argument is a 4.x length became ``crop_cache(cache, n)``.
+* ``already-applied`` / ``fixed-upstream`` -- the crop goes through ``crop_cache``
+  (``already-applied`` with ddpatch's provenance line).
+* ``fixed-upstream`` -- the crop's argument is a 5.x count, seen at the crop itself (a
+  helper's crop is judged inside the helper, which the engine follows from the anchor).
+  Left alone: it is exact because a verify recorded by ``verify_forward`` makes the
+  cache's own ``crop`` commit the recurrent state, which the ``verify-forward`` step
+  guarantees (a recipe run that cannot wrap the target's verify is a no-match there).
+* ``no-match`` -- a site with the reason for an ambiguous argument; an anchor with no
+  crop at all.
 """
 
 from __future__ import annotations
 
 import libcst as cst
 
-from .base import APPLIED, FIXED_UPSTREAM, PATCHED, Example, Step, dotted, is_runtime_call, keyword, runtime_call
+from .base import APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, Step, code, dotted, is_runtime_call, runtime_call
+from .flow import CACHE, DRAFT_CACHE, TARGET_CACHE, Fn, ModuleFlow
+
+COUNT = "a 5.x count"
+LENGTH = "a 4.x length"
+AMBIGUOUS = "ambiguous"
 
 
-def cache_names(function: cst.FunctionDef) -> set[str]:
-    """Names that hold a KV cache inside ``function``."""
-    names: set[str] = set()
-    for param in function.params.params + function.params.kwonly_params + function.params.posonly_params:
-        annotation = dotted(param.annotation.annotation) if param.annotation else None
-        if param.name.value.startswith("past_key_values") or (annotation or "").endswith("Cache"):
-            names.add(param.name.value)
+def _seq_length_call(node: cst.BaseExpression) -> bool:
+    return isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value == "get_seq_length"
 
-    class _Collect(cst.CSTVisitor):
-        def visit_Assign(self, node: cst.Assign) -> None:
-            if isinstance(node.value, cst.Call) and (dotted(node.value.func) or "").endswith("Cache"):
-                for target in node.targets:
-                    if isinstance(target.target, cst.Name):
-                        names.add(target.target.value)
 
-        def visit_Call(self, node: cst.Call) -> None:
-            arg = keyword(node, "past_key_values")
-            if arg is not None and isinstance(arg.value, cst.Name):
-                names.add(arg.value.value)
+def _reads_seq_length(node: cst.CSTNode) -> bool:
+    found = []
 
-    function.body.visit(_Collect())
-    return names
+    class _V(cst.CSTVisitor):
+        def visit_Call(self, n: cst.Call) -> None:
+            if _seq_length_call(n):
+                found.append(n)
+
+    node.visit(_V())
+    return bool(found)
+
+
+def _combine(kinds: set[str]) -> str:
+    return kinds.pop() if len(kinds) == 1 else AMBIGUOUS
 
 
 class CropCompat(Step):
     ID = "crop-compat"
-    DESCRIPTION = "Rewrite `cache.crop(n)` to `_ddpatch_runtime.crop_cache(cache, n)`, legacy crop semantics on any transformers."
-    TRIGGERS = ("crop", r"\.crop\(|crop_cache\(")
+    DESCRIPTION = "Rewrite a 4.x `cache.crop(length)` to `_ddpatch_runtime.crop_cache(cache, length)`; leave 5.x counts alone."
+    TRIGGERS = ("crop", r"\.\s*crop\s*\(|crop_cache\s*\(")
     PARAMS = {"helper": "crop_cache"}
     USES_RUNTIME = True
     EXAMPLES = (
@@ -64,7 +88,31 @@ class CropCompat(Step):
                 target(ids, past_key_values=cache)
                 _ddpatch_runtime.crop_cache(cache, start)
             """,
-            "a positive crop keeps its 4.x meaning on 5.x",
+            "a 4.x length keeps its meaning on 5.x",
+        ),
+        Example(
+            """
+            def rollback(cache, n):
+                cache.crop(n - cache.get_seq_length())
+            """,
+            """
+            def rollback(cache, n):
+                cache.crop(n - cache.get_seq_length())
+            """,
+            "already a 5.x count (0 drops nothing): left alone, fixed-upstream",
+        ),
+        Example(
+            """
+            def _crop(cache, n):
+                remove = cache.get_seq_length() - n
+                cache.crop(-remove)
+            """,
+            """
+            def _crop(cache, n):
+                remove = cache.get_seq_length() - n
+                cache.crop(-remove)
+            """,
+            "an upstream crop helper with the native negative count: fixed-upstream",
         ),
         Example(
             "def thumbnail(image, box):\n    return image.crop(box)\n",
@@ -75,42 +123,152 @@ class CropCompat(Step):
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)
-        self._caches: list[set[str]] = [set()]
+        self.flow: ModuleFlow | None = None
+        self._fns: list[Fn | None] = [None]
+        self._decisions: dict[cst.Call, tuple[str, str]] = {}
+
+    def visit_Module(self, node: cst.Module) -> bool:
+        self.flow = ModuleFlow(node)
+        return True
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        self._caches.append(cache_names(node))
+        self._fns.append(self.flow.by_node.get(node) if self.flow else None)
         return super().visit_FunctionDef(node)
 
     def leave_FunctionDef(self, original_node, updated_node):
-        self._caches.pop()
+        self._fns.pop()
         return super().leave_FunctionDef(original_node, updated_node)
 
-    def _crop_receiver(self, node: cst.Call) -> str | None:
+    # -- what a crop means --------------------------------------------------------------
+    def meaning(self, fn: Fn, expr: cst.BaseExpression, seen: frozenset = frozenset()) -> tuple[str, str]:
+        """(kind, why) of a crop argument ``expr`` read in ``fn``."""
+        if isinstance(expr, cst.UnaryOperation) and isinstance(expr.operator, cst.Minus):
+            return COUNT, f"`{code(expr)}` is negative"
+        if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.Subtract) and _seq_length_call(expr.right):
+            return COUNT, f"`{code(expr)}` counts from the cache's length"
+        if isinstance(expr, cst.Integer):
+            return LENGTH, f"`{code(expr)}` is a length"
+        name = dotted(expr)
+        if name is not None:
+            return self._name_meaning(fn, name, seen)
+        if _reads_seq_length(expr):
+            return AMBIGUOUS, f"`{code(expr)}` reads get_seq_length() but is not `x - cache.get_seq_length()`"
+        kinds = set()
+        for sub in _names(expr):
+            kind, why = self._name_meaning(fn, sub, seen)
+            if kind != LENGTH:
+                return AMBIGUOUS, f"`{code(expr)}` computes with {why}"
+            kinds.add(kind)
+        if _has_minus(expr):
+            return AMBIGUOUS, f"`{code(expr)}` negates part of the argument"
+        return LENGTH, f"`{code(expr)}` is a length"
+
+    def _name_meaning(self, fn: Fn, name: str, seen: frozenset) -> tuple[str, str]:
+        key = (id(fn), name)
+        if key in seen:
+            return LENGTH, f"`{name}`"
+        seen = seen | {key}
+        if name in fn.assigns:
+            results = [self.meaning(fn, v, seen) for v in fn.assigns[name]]
+            kind = _combine({k for k, _ in results})
+            if kind == AMBIGUOUS:
+                return AMBIGUOUS, f"`{name}` is assigned both a count and a length ({'; '.join(w for _, w in results)})"
+            return kind, f"`{name}`: " + results[0][1]
+        if name in fn.params or name in fn.kwonly:
+            results = []
+            for caller, call, _loop in self.flow.callers(fn):
+                for param, arg in self.flow.bind(fn, call, isinstance(call.func, cst.Attribute)):
+                    if param == name:
+                        results.append(self.meaning(caller, arg, seen))
+            if not results:
+                return LENGTH, f"`{name}` (a parameter: 4.x code passes lengths)"
+            kind = _combine({k for k, _ in results})
+            if kind == AMBIGUOUS:
+                return AMBIGUOUS, f"parameter `{name}` is given both counts and lengths by its callers"
+            return kind, f"parameter `{name}`, given " + results[0][1]
+        return LENGTH, f"`{name}`"
+
+    # -- sites --------------------------------------------------------------------------
+    def _receiver(self, node: cst.Call) -> str | None:
         func = node.func
-        if isinstance(func, cst.Attribute) and func.attr.value == "crop" and isinstance(func.value, cst.Name):
-            if func.value.value in self._caches[-1] and len(node.args) == 1 and node.args[0].keyword is None:
-                return func.value.value
+        fn = self._fns[-1]
+        if fn is None or not (isinstance(func, cst.Attribute) and func.attr.value == "crop"):
+            return None
+        if len(node.args) != 1 or node.args[0].keyword is not None or node.args[0].star:
+            return None
+        receiver = dotted(func.value)
+        if receiver and fn.role(receiver) & {CACHE, TARGET_CACHE, DRAFT_CACHE}:
+            return receiver
         return None
 
     def visit_Call(self, node: cst.Call) -> None:
         if is_runtime_call(node, self.params["helper"]):
             self.record(node, PATCHED, "crop already goes through the runtime helper")
             return
-        name = dotted(node.func) or ""
-        if self._crop_receiver(node) and isinstance(node.args[0].value, cst.UnaryOperation):
-            if isinstance(node.args[0].value.operator, cst.Minus):
-                self.record(node, FIXED_UPSTREAM, "crop already takes a negative count (5.x semantics)")
-        elif "crop" in name.split(".")[-1].lower() and name.split(".")[-1] != "crop" and node.args:
-            first = node.args[0].value
-            if isinstance(first, cst.Name) and first.value in self._caches[-1]:
-                self.record(node, FIXED_UPSTREAM, f"crop goes through upstream's own `{name}`")
+        receiver = self._receiver(node)
+        if receiver is None:
+            return
+        kind, why = self.meaning(self._fns[-1], node.args[0].value)
+        self._decisions[node] = (kind, why)
+        if kind == COUNT:
+            self.record(node, FIXED_UPSTREAM, f"`{receiver}.crop(...)` already takes a 5.x count ({why}); left alone")
+        elif kind == AMBIGUOUS:
+            self.record(node, NO_MATCH, f"cannot tell whether `{receiver}.crop(...)` takes a 5.x count or a 4.x length: {why}")
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
-        receiver = self._crop_receiver(original_node)
-        if receiver is None:
+        decision = self._decisions.get(original_node)
+        if decision is None or decision[0] != LENGTH:
             return updated_node
-        value = original_node.args[0].value
-        if isinstance(value, cst.UnaryOperation) and isinstance(value.operator, cst.Minus):
-            return updated_node
-        self.record(original_node, APPLIED, f"`{receiver}.crop(...)` -> `crop_cache({receiver}, ...)`")
-        return runtime_call(self, self.params["helper"], [cst.Arg(cst.Name(receiver)), updated_node.args[0].with_changes(comma=cst.MaybeSentinel.DEFAULT)])
+        receiver = original_node.func.value
+        self.record(original_node, APPLIED, f"`{code(receiver)}.crop(...)` -> `crop_cache({code(receiver)}, ...)`: {decision[1]}")
+        return runtime_call(self, self.params["helper"], [cst.Arg(receiver), updated_node.args[0].with_changes(comma=cst.MaybeSentinel.DEFAULT)]).with_changes(
+            lpar=updated_node.lpar, rpar=updated_node.rpar
+        )
+
+
+def _names(expr: cst.CSTNode) -> list[str]:
+    out: list[str] = []
+
+    class _V(cst.CSTVisitor):
+        def visit_Attribute(self, node: cst.Attribute) -> bool:
+            name = dotted(node)
+            if name is not None:
+                out.append(name)
+                return False
+            return True
+
+        def visit_Name(self, node: cst.Name) -> None:
+            out.append(node.value)
+
+        def visit_Call(self, node: cst.Call) -> bool:
+            for arg in node.args:  # `len(path)`: the positional arguments, not the function's name
+                if arg.keyword is None:
+                    arg.value.visit(self)
+            if isinstance(node.func, cst.Attribute):
+                node.func.value.visit(self)
+            return False
+
+        def visit_Subscript(self, node: cst.Subscript) -> bool:
+            node.value.visit(self)  # `x[:, :-1]`: the indices are not the value
+            return False
+
+    expr.visit(_V())
+    return out
+
+
+def _has_minus(expr: cst.CSTNode) -> bool:
+    found = []
+
+    class _V(cst.CSTVisitor):  # the sign of the value itself: not inside calls or indices
+        def visit_UnaryOperation(self, node: cst.UnaryOperation) -> None:
+            if isinstance(node.operator, cst.Minus):
+                found.append(node)
+
+        def visit_Call(self, node: cst.Call) -> bool:
+            return False
+
+        def visit_Subscript(self, node: cst.Subscript) -> bool:
+            return False
+
+    expr.visit(_V())
+    return bool(found)

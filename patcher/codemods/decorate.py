@@ -6,6 +6,14 @@ Decorating it with ``_ddpatch_runtime.tree_commit("past_key_values", "past_lengt
 "keep_current_indices")`` commits the recurrent layers to the accepted path first and
 then lets upstream compact the attention layers as before. The decorator's arguments
 are the function's own parameter names, read from its signature.
+
+Statuses and the evidence each rests on:
+
+* ``applied`` -- the function now carries ``@_ddpatch_runtime.<decorator>(...)`` bound to
+  its first parameters.
+* ``already-applied`` / ``fixed-upstream`` -- the decorator is already there
+  (``already-applied`` with ddpatch's provenance line).
+* ``no-match`` -- the function is gone or has fewer parameters than the decorator binds.
 """
 
 from __future__ import annotations

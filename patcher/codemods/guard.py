@@ -4,6 +4,16 @@
 at start-up, raises on a machine without CUDA; the verifier runs on CPU. The statement
 is wrapped in ``if torch.cuda.is_available():``. Calls are matched by qualified name,
 so ``from torch import cuda; cuda.synchronize()`` is found too.
+
+Statuses and the evidence each rests on:
+
+* ``applied`` -- the statement calling a listed function (by qualified name) is now inside
+  ``if torch.cuda.is_available():``.
+* ``already-applied`` / ``fixed-upstream`` -- it already is inside that exact guard
+  (``already-applied`` with ddpatch's provenance line); ``fixed-upstream`` also for a
+  statement inside another ``if`` that tests CUDA or the device, and for an anchor that no
+  longer calls any listed function (``evidence``).
+* ``no-match`` -- an anchor that still names a listed call the step does not match.
 """
 
 from __future__ import annotations

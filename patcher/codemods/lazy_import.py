@@ -4,6 +4,13 @@ DDTree imports ``datasets`` at the top of ``model/utils.py`` although only the d
 loader uses it, so importing the generation code fails without ``datasets``. The import
 statement moves, unchanged, to the top of each function that uses one of its names.
 An import that module-level code also uses is left where it is.
+
+Statuses and the evidence each rests on:
+
+* ``applied`` -- the module-level import moved into each function that uses it.
+* ``already-applied`` / ``fixed-upstream`` -- the import is already at the top of a
+  function body (``already-applied`` with ddpatch's provenance line).
+* ``no-match`` -- the anchor has no such import, or module-level code uses it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""TargetCacheConfig: build the target's cache from the target's own config.
+"""TargetCacheConfig: build the target's cache from the target's own config, and only the target's.
 
 On transformers 5.x a hybrid (Gated DeltaNet + attention) model needs
 ``DynamicCache(config=...)`` so that its linear layers get ``LinearAttentionLayer``
@@ -6,77 +6,44 @@ slots; a bare ``DynamicCache()`` fails in ``get_conv_state`` with an IndexError.
 The config must be that of the model that *owns* the cache: a draft cache given the
 target's config breaks (``LinearAttentionLayer`` has no ``update``).
 
-Ownership is decided by data flow, not by variable names: a cache belongs to the
-model whose call receives it as ``past_key_values=``. ``DynamicCache`` is matched by
-qualified name, so aliases (``from transformers import DynamicCache as DC``) and
-``transformers.DynamicCache()`` are found and a local class of that name is not.
+Ownership follows data flow (``patcher/codemods/flow.py``), never names: a cache
+belongs to the model whose call receives it as ``past_key_values=``, across the module's
+own helpers (a cache built in a factory function is judged at every call of the
+factory). ``DynamicCache`` is matched by qualified name, so aliases and
+``transformers.DynamicCache()`` are found and a local class of that name is not. What
+carries the target's config is also read by data flow: any argument that reads the
+target (``target.config``, ``getattr(target, "config", None)``, the seed's
+``target.config if hasattr(target, "config") else None``, ``**kwargs`` built from it,
+a helper given the target).
+
+Statuses and the evidence each rests on:
+
+* ``applied`` -- a bare cache that only the target receives gets ``config=<target>.config``
+  (in the factory, when the cache comes from one that only the target's cache uses);
+  a cache that only the drafter receives loses every argument that reads the target.
+* ``already-applied`` / ``fixed-upstream`` -- the target's cache is built with
+  ``config=<target>.config`` (``already-applied`` with ddpatch's provenance line), or
+  with another expression that reads the target and nothing of the drafter; a shared
+  factory gives each cache its own model's config.
+* ``no-match`` (a site with the reason) -- a target cache with a config that does not
+  read the target, positional arguments, a shared factory that builds bare caches or
+  gives the drafter's cache the target's config, one cache given to both models, or a
+  target cache from a call ddpatch cannot see into (another module). An anchor with no
+  site at all is a ``no-match`` too.
 """
 
 from __future__ import annotations
 
 import ast
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from .base import APPLIED, FIXED_UPSTREAM, PATCHED, RUNTIME_MODULE, Example, Step, ast_calls, ast_dotted, code, dotted, keyword
+from .base import APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, Step, code, dotted, keyword
+from .flow import ROLE_TRIGGER, may_have_roles, DRAFT_CACHE, DRAFTER, TARGET, TARGET_CACHE, Fn, ModuleFlow, is_role
 
 CACHE_CLASSES = ("transformers.DynamicCache", "transformers.cache_utils.DynamicCache")
-
-
-@dataclass
-class _Scope:
-    creations: dict[str, list[cst.Call]] = field(default_factory=dict)  # var -> DynamicCache(...) calls
-    other_sources: dict[str, cst.BaseExpression] = field(default_factory=dict)  # var -> non-cache call
-    receivers: dict[str, list[tuple[str, cst.Call]]] = field(default_factory=dict)  # var -> (callee, call)
-    inline: list[tuple[str, cst.Call]] = field(default_factory=list)  # (callee, DynamicCache call)
-
-
-class _Flow(cst.CSTVisitor):
-    """Collects, per function, where caches are created and which calls receive them."""
-
-    def __init__(self, step: "TargetCacheConfig") -> None:
-        super().__init__()
-        self.step = step
-        self.scopes: dict[cst.CSTNode, _Scope] = {}
-        self.stack: list[_Scope] = []
-
-    def _enter(self, node: cst.CSTNode) -> None:
-        scope = _Scope()
-        self.scopes[node] = scope
-        self.stack.append(scope)
-
-    def visit_Module(self, node: cst.Module) -> None:
-        self._enter(node)
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-        self._enter(node)
-
-    def leave_FunctionDef(self, original_node: cst.FunctionDef) -> None:
-        self.stack.pop()
-
-    def visit_Assign(self, node: cst.Assign) -> None:
-        if len(node.targets) != 1 or not isinstance(node.targets[0].target, cst.Name):
-            return
-        var = node.targets[0].target.value
-        if self.step.is_cache_call(node.value):
-            self.stack[-1].creations.setdefault(var, []).append(node.value)
-        elif isinstance(node.value, cst.Call):
-            self.stack[-1].other_sources[var] = node.value
-
-    def visit_Call(self, node: cst.Call) -> None:
-        arg = keyword(node, "past_key_values")
-        callee = dotted(node.func)
-        if callee is not None and callee.startswith(RUNTIME_MODULE + ".") and node.args:
-            callee = dotted(node.args[0].value)  # verify_forward(target, ...) calls target
-        if arg is None or callee is None:
-            return
-        if isinstance(arg.value, cst.Name):
-            self.stack[-1].receivers.setdefault(arg.value.value, []).append((callee, node))
-        elif self.step.is_cache_call(arg.value):
-            self.stack[-1].inline.append((callee, arg.value))
 
 
 def _config_arg(owner: str) -> cst.Arg:
@@ -87,45 +54,72 @@ def _config_arg(owner: str) -> cst.Arg:
     )
 
 
+@dataclass
+class _Use:
+    """One way a cache creation reaches a model: its role, and the names it reads in that context."""
+
+    role: str | None  # TARGET_CACHE / DRAFT_CACHE / None (ambiguous or unknown)
+    owner: str | None  # the name of the receiving model as the creation's code can spell it
+    env: dict[str, set[str]] | None  # parameter roles at a factory's call site
+    fn: Fn  # the function the creation's code is in
+
+
 class TargetCacheConfig(Step):
     ID = "target-cache-config"
-    DESCRIPTION = "Give the target model's DynamicCache the target's config; leave draft caches bare."
+    DESCRIPTION = "Give the target model's DynamicCache the target's config; keep the target's config off draft caches."
     TRIGGERS = (r"DynamicCache",)
-    PARAMS = {"target_names": ["target"]}
+    PARAMS: dict = {}
     NEEDS_SCOPE = True
     METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider)
     EXAMPLES = (
         Example(
             """
             from transformers import DynamicCache
-            def generate(model, target, ids):
+            def generate(model, target, ids, hidden):
                 cache_t = DynamicCache()
                 cache_d = DynamicCache()
                 target(ids, past_key_values=cache_t)
-                model(ids, past_key_values=cache_d)
+                model(target_hidden=hidden, past_key_values=cache_d)
             """,
             """
             from transformers import DynamicCache
-            def generate(model, target, ids):
+            def generate(model, target, ids, hidden):
                 cache_t = DynamicCache(config=target.config)
                 cache_d = DynamicCache()
                 target(ids, past_key_values=cache_t)
-                model(ids, past_key_values=cache_d)
+                model(target_hidden=hidden, past_key_values=cache_d)
             """,
-            "the cache passed to the target gets its config; the draft's stays bare",
+            "the drafter is the model given target_hidden; the other model's cache gets its config",
+        ),
+        Example(
+            """
+            from transformers import DynamicCache
+            def generate(draft, model, ids):
+                out = model(ids, past_key_values=DynamicCache(config=model.config))
+                draft(target_hidden=out.hidden_states, past_key_values=DynamicCache(config=model.config))
+            """,
+            """
+            from transformers import DynamicCache
+            def generate(draft, model, ids):
+                out = model(ids, past_key_values=DynamicCache(config=model.config))
+                draft(target_hidden=out.hidden_states, past_key_values=DynamicCache())
+            """,
+            "roles by data flow, not names: here `model` is the target, and its config comes off the draft's cache",
         ),
         Example(
             """
             class DynamicCache: ...
-            def generate(target, ids):
+            def generate(model, target, ids, hidden):
                 cache = DynamicCache()
                 target(ids, past_key_values=cache)
+                model(target_hidden=hidden)
             """,
             """
             class DynamicCache: ...
-            def generate(target, ids):
+            def generate(model, target, ids, hidden):
                 cache = DynamicCache()
                 target(ids, past_key_values=cache)
+                model(target_hidden=hidden)
             """,
             "a local class called DynamicCache is not transformers' and is left alone",
         ),
@@ -133,30 +127,15 @@ class TargetCacheConfig(Step):
 
     @classmethod
     def triggers(cls, params) -> tuple[str, ...]:
-        names = "|".join(re.escape(n) for n in params["target_names"])
-        return (r"DynamicCache", rf"(?:{names})\b")  # no \b in front (see Step.triggers); ast decides
+        return (r"DynamicCache", ROLE_TRIGGER)
 
     @classmethod
     def may_match(cls, tree: ast.Module, params) -> bool:
-        # every site needs a target call given `past_key_values=`, or a cache given `config=<target>...`
-        def is_target(name: str | None) -> bool:
-            return name is not None and any(name == t or name.endswith("." + t) for t in params["target_names"])
-
-        for call in ast_calls(tree):
-            for kw in call.keywords:
-                if kw.arg == "past_key_values":
-                    callee = ast_dotted(call.func)
-                    if callee is not None and callee.startswith(RUNTIME_MODULE + ".") and call.args:
-                        callee = ast_dotted(call.args[0])
-                    if is_target(callee):
-                        return True
-                elif kw.arg == "config" and is_target((ast_dotted(kw.value) or "").split(".")[0]):
-                    return True
-        return False
+        return may_have_roles(tree)  # no role, no site (flow.py)
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)
-        self.rewrites: dict[cst.Call, tuple[cst.Call, str]] = {}
+        self.rewrites: dict[cst.Call, tuple[list[cst.Arg], str]] = {}
         self.marks: list[tuple[cst.CSTNode, str, str, str | None]] = []
 
     def is_cache_call(self, node: cst.BaseExpression) -> bool:
@@ -165,48 +144,132 @@ class TargetCacheConfig(Step):
         names = self.get_metadata(QualifiedNameProvider, node.func, set())
         return any(q.name in CACHE_CLASSES for q in names)
 
-    def _is_target(self, callee: str) -> bool:
-        return any(callee == t or callee.endswith("." + t) for t in self.params["target_names"])
-
     def visit_Module(self, node: cst.Module) -> bool:
-        flow = _Flow(self)
-        node.visit(flow)
-        for scope_node, scope in flow.scopes.items():
-            fn = scope_node.name.value if isinstance(scope_node, cst.FunctionDef) else None
-            self._decide(scope, fn)
+        flow = ModuleFlow(node, self.is_cache_call)
+        for call, uses in self._creations(flow).items():
+            self._decide(flow, call, uses)
+        for fn in flow.fns:
+            self._unseen_sources(flow, fn)
         return True
 
-    def _decide(self, scope: _Scope, fn: str | None) -> None:
-        pairs = [(var, call, [c for c, _ in scope.receivers.get(var, [])]) for var, calls in scope.creations.items() for call in calls]
-        pairs += [(None, call, [callee]) for callee, call in scope.inline]
-        for _var, call, owners in pairs:
-            targets = [o for o in owners if self._is_target(o)]
-            others = [o for o in owners if not self._is_target(o)]
-            config = keyword(call, "config")
-            if targets and not others:
-                owner = targets[0]
-                if not call.args:
-                    new = call.with_changes(args=[_config_arg(owner)])
-                    self.rewrites[call] = (new, f"cache passed to `{owner}` now built with config={owner}.config")
-                elif config is not None and code(config.value) == f"{owner}.config":
-                    self.marks.append((call, PATCHED, f"cache for `{owner}` already has config={owner}.config", fn))
-                elif config is not None:
-                    self.marks.append((call, FIXED_UPSTREAM, f"cache for `{owner}` built with config={code(config.value)}", fn))
-            elif others and not targets and config is not None:
-                head = (dotted(config.value) or "").split(".")[0]
-                if self._is_target(head):
-                    new = call.with_changes(args=[a for a in call.args if a is not config])
-                    self.rewrites[call] = (
-                        new,
-                        f"cache passed to `{others[0]}` must not carry the target's config (LinearAttentionLayer has no update)",
-                    )
-        for var, receivers in scope.receivers.items():
-            if var in scope.creations or var not in scope.other_sources:
+    # -- where each creation goes ------------------------------------------------------
+    def _creations(self, flow: ModuleFlow) -> dict[cst.Call, list[_Use]]:
+        out: dict[cst.Call, list[_Use]] = {}
+        factories = {fn: flow.creations(fn) for fn in flow.fns}
+        made_in_factory = {id(c) for calls in factories.values() for c in calls}
+        for fn in flow.fns:
+            for var, values in fn.assigns.items():
+                for value in values:
+                    if flow.is_cache_call(value) and id(value) not in made_in_factory:
+                        out.setdefault(value, []).append(self._use(fn, fn.role(var), self._owner(fn, var), None))
+            for mc in fn.model_calls:
+                if mc.cache is not None and flow.is_cache_call(mc.cache):
+                    roles = fn.role(mc.callee)
+                    role = TARGET_CACHE if is_role(roles, TARGET) else DRAFT_CACHE if is_role(roles, DRAFTER) else None
+                    out.setdefault(mc.cache, []).append(_Use(role, mc.callee, None, fn))
+            for var, uses in fn.factory_uses.items():
+                for factory, call in uses:
+                    env = {p: flow.roles_of(fn, arg) for p, arg in flow.bind(factory, call, isinstance(call.func, cst.Attribute))}
+                    roles = fn.role(var)
+                    owner = next((p for p, r in env.items() if is_role(r, TARGET)), None) if is_role(roles, TARGET_CACHE) else None
+                    for creation in factories[factory]:
+                        out.setdefault(creation, []).append(self._use(factory, roles, owner, env))
+        return out
+
+    @staticmethod
+    def _use(fn: Fn, roles: set[str], owner: str | None, env) -> _Use:
+        role = TARGET_CACHE if is_role(roles, TARGET_CACHE) else DRAFT_CACHE if is_role(roles, DRAFT_CACHE) else None
+        if TARGET_CACHE in roles and DRAFT_CACHE in roles:
+            role = "both"
+        return _Use(role, owner, env, fn)
+
+    @staticmethod
+    def _owner(fn: Fn, var: str) -> str | None:
+        """The target as ``fn`` spells it: the model its call gives ``var`` to, else the one target name in ``fn``."""
+        for mc in fn.model_calls:
+            if mc.cache is not None and dotted(mc.cache) == var and is_role(fn.role(mc.callee), TARGET):
+                return mc.callee
+        names = {n for n, r in fn.roles.items() if is_role(r, TARGET)}
+        names = {n for n in names if not any(n.startswith(m + ".") for m in names)}
+        return names.pop() if len(names) == 1 else None
+
+    # -- the decision -------------------------------------------------------------------
+    def _decide(self, flow: ModuleFlow, call: cst.Call, uses: list[_Use]) -> None:
+        fn = uses[0].fn.name
+        roles = {u.role for u in uses}
+        if "both" in roles or {TARGET_CACHE, DRAFT_CACHE} <= roles:
+            if len(uses) > 1 and "both" not in roles:
+                self._shared_factory(flow, call, uses)
+            else:
+                self.marks.append((call, NO_MATCH, "one cache is given to both the target and the drafter", fn))
+            return
+        if roles == {TARGET_CACHE}:
+            self._target(flow, call, uses)
+        elif roles == {DRAFT_CACHE}:
+            self._draft(flow, call, uses)
+
+    def _reads(self, flow: ModuleFlow, use: _Use, arg: cst.Arg) -> set[str]:
+        return flow.roles_of(use.fn, arg.value, use.env)
+
+    def _target(self, flow: ModuleFlow, call: cst.Call, uses: list[_Use]) -> None:
+        fn = uses[0].fn.name
+        owners = {u.owner for u in uses}
+        owner = owners.pop() if len(owners) == 1 else None
+        config = keyword(call, "config")
+        if not call.args:
+            if owner is None:
+                self.marks.append((call, NO_MATCH, "bare target cache, but no one name holds the target where it is built", fn))
+            else:
+                self.rewrites[call] = ([_config_arg(owner)], f"cache passed to the target `{owner}` now built with config={owner}.config")
+            return
+        if config is not None and owner is not None and code(config.value) == f"{owner}.config":
+            self.marks.append((call, PATCHED, f"cache for the target `{owner}` already has config={owner}.config", fn))
+            return
+        reads = [set().union(*(self._reads(flow, u, a) for u in uses)) for a in call.args]
+        carried = [a for a, r in zip(call.args, reads) if is_role(r, TARGET)]
+        wrong = [a for a, r in zip(call.args, reads) if DRAFTER in r]
+        if any(a.keyword is None and not a.star for a in call.args):
+            self.marks.append((call, NO_MATCH, f"target cache built with positional arguments `{code(call)}`", fn))
+        elif carried and not wrong:
+            self.marks.append((call, FIXED_UPSTREAM, f"target cache built from the target's config: `{code(call)}`", fn))
+        else:
+            why = "the drafter's" if wrong else "not the target's (by data flow)"
+            self.marks.append((call, NO_MATCH, f"target cache built with a config that is {why}: `{code(call)}`", fn))
+
+    def _draft(self, flow: ModuleFlow, call: cst.Call, uses: list[_Use]) -> None:
+        fn = uses[0].fn.name
+        bad = [a for a in call.args if any(TARGET in self._reads(flow, u, a) for u in uses)]
+        if bad:
+            keep = [a for a in call.args if a not in bad]
+            if keep:
+                keep[-1] = keep[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+            self.rewrites[call] = (
+                keep,
+                f"the draft's cache must not carry the target's config (LinearAttentionLayer has no update): dropped `{', '.join(code(a.with_changes(comma=cst.MaybeSentinel.DEFAULT)) for a in bad)}`",
+            )
+
+    def _shared_factory(self, flow: ModuleFlow, call: cst.Call, uses: list[_Use]) -> None:
+        fn = uses[0].fn.name
+        if not call.args:
+            self.marks.append((call, NO_MATCH, f"`{fn}` builds a bare cache for both the target and the drafter; only the target's may get a config", fn))
+            return
+        target_ok = all(any(is_role(self._reads(flow, u, a), TARGET) for a in call.args) for u in uses if u.role == TARGET_CACHE)
+        draft_ok = all(not any(TARGET in self._reads(flow, u, a) for a in call.args) for u in uses if u.role == DRAFT_CACHE)
+        if target_ok and draft_ok:
+            self.marks.append((call, FIXED_UPSTREAM, f"`{fn}` builds each cache from its own model's config: `{code(call)}`", fn))
+        elif not draft_ok:
+            self.marks.append((call, NO_MATCH, f"`{fn}` gives the drafter's cache the target's config: `{code(call)}`", fn))
+        else:
+            self.marks.append((call, NO_MATCH, f"`{fn}` does not give the target's cache the target's config: `{code(call)}`", fn))
+
+    def _unseen_sources(self, flow: ModuleFlow, fn: Fn) -> None:
+        """A target cache that comes out of a call ddpatch cannot read: no status can rest on it."""
+        for var, values in fn.assigns.items():
+            if not is_role(fn.role(var), TARGET_CACHE) or var in fn.factory_uses:
                 continue
-            for callee, call in receivers:
-                if self._is_target(callee):
-                    source = code(scope.other_sources[var])
-                    self.marks.append((call, FIXED_UPSTREAM, f"target cache comes from `{source}`", fn))
+            for value in values:
+                if isinstance(value, cst.Call) and not flow.is_cache_call(value):
+                    self.marks.append((value, NO_MATCH, f"the target's cache comes from `{code(value.func)}(...)`, which is not transformers' DynamicCache nor a factory ddpatch can read here", fn.name))
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
         for node, status, message, fn in self.marks:
@@ -217,6 +280,7 @@ class TargetCacheConfig(Step):
         hit = self.rewrites.get(original_node)
         if hit is None:
             return updated_node
-        new, message = hit
-        self.record(original_node, APPLIED, message)
-        return updated_node.with_changes(args=new.args)
+        args, message = hit
+        fn = self.function
+        self.record(original_node, APPLIED, message, function=fn)
+        return updated_node.with_changes(args=args)

@@ -1,11 +1,36 @@
-"""WrapCall: route a model call through a runtime helper that takes the model first.
+"""WrapCall: route the target's (or the drafter's) call through a runtime helper that takes the model first.
 
-Speculative verification calls the target with its cache inside the decode loop. On a
-hybrid target those calls must record what a later commit needs (the Gated DeltaNet
-state before the verify and the inputs of each GDN layer) and, for a tree, run the
-recurrent layers per root-to-leaf path. ``target(ids, past_key_values=cache, ...)``
-inside a loop becomes ``_ddpatch_runtime.verify_forward(target, ids, past_key_values=cache, ...)``.
-The prefill call, outside the loop, is left as it is.
+The call to wrap is picked by data flow (``flow.py``), never by a variable's name: with
+``role = "target"`` the model whose cache is the target cache (the one a function holding
+a drafter calls with ``past_key_values=``), with ``role = "drafter"`` the model given
+``target_hidden=`` (or the draft cache). Only calls inside a decode loop are wrapped (or in
+a helper of the module that is only called from inside loops); the prefill is left alone.
+
+* ``verify-forward`` (``role = "target"``, ``helper = "verify_forward"``): on a hybrid
+  target the verify must leave a record on the cache so that every later cut of that
+  cache commits exactly the accepted tokens (the runtime makes the cache's own ``crop``
+  commit it). ``target(ids, past_key_values=cache, ...)`` in the loop becomes
+  ``_ddpatch_runtime.verify_forward(target, ids, past_key_values=cache, ...)``.
+* ``draft-sliding-window`` (``role = "drafter"``, ``helper = "draft_forward"``): the draft
+  call gets explicit sliding-window masks when flash-attn is not in use.
+
+Statuses and the evidence each rests on:
+
+* ``applied`` -- a call in a decode loop whose callee has the role (and not the other
+  one) was wrapped.
+* ``already-applied`` / ``fixed-upstream`` -- the call already goes through the helper
+  (``already-applied`` with ddpatch's provenance line).
+* ``fixed-upstream`` (drafter only) -- the drafter's class, found in the tree, builds its
+  own sliding-window masks: its ``forward`` calls a sliding-window mask builder (a
+  function whose name has both "sliding" and "mask", such as transformers'
+  ``create_sliding_window_causal_mask``) AND hands its layers a mask picked per layer
+  type (``attention_mask=<masks>[... attention_type ...]`` or ``[... layer_types ...]``).
+  The class is the enclosing class for ``self``, the parameter's annotation, the class a
+  local name is built from, or else every class in the tree whose ``forward`` takes
+  ``target_hidden`` (all of them must have the evidence). Wrapping such a draft would
+  mask it twice.
+* ``no-match`` -- an anchor where no call has the role: the target's verify is not found
+  by data flow, so nothing makes the crops exact (verify-forward is the lossless step).
 """
 
 from __future__ import annotations
@@ -15,103 +40,214 @@ import re
 
 import libcst as cst
 
-from .base import APPLIED, PATCHED, RUNTIME_MODULE, Example, Step, ast_calls, ast_dotted, ast_inside, ast_nodes, dotted, is_runtime_call, keyword, runtime_call
+from .base import APPLIED, FIXED_UPSTREAM, PATCHED, Example, Step, is_runtime_call, runtime_call
+from .flow import ROLE_TRIGGER, may_have_roles, DRAFTER, TARGET, Fn, ModelCall, ModuleFlow, is_role
+
+_MASK_BUILDER = re.compile(r"sliding\w*mask|mask\w*sliding", re.I)
+_PER_TYPE = re.compile(r"attention_type|layer_type")  # also layer_types
+
+
+def _ast_name(node: ast.expr) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Call):
+        return _ast_name(node.func)
+    return ""
+
+
+def masks_itself(cls: ast.ClassDef) -> str | None:
+    """Evidence that a model class builds its own per-layer-type sliding-window masks, or None.
+
+    Both must hold in the class's ``forward``: (a) some call hands a layer
+    ``attention_mask=`` a value picked per layer type -- a subscript whose index reads
+    ``attention_type`` / ``layer_type(s)``, directly or through a local name; (b) the class
+    builds a sliding-window mask itself -- ``forward``, or a method it calls as
+    ``self.<method>(...)``, calls a function whose name has "sliding" and "mask" or reads
+    ``sliding_window``.
+    """
+    methods = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
+    forward = methods.get("forward")
+    if forward is None:
+        return None
+    assigned: dict[str, list[ast.expr]] = {}
+    for node in ast.walk(forward):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    assigned.setdefault(target.id, []).append(node.value)
+
+    def per_type(expr: ast.expr, seen: set) -> str | None:
+        for node in ast.walk(expr):
+            if isinstance(node, ast.Subscript) and _PER_TYPE.search(ast.unparse(node.slice)):
+                return ast.unparse(node)
+            if isinstance(node, ast.Name) and node.id in assigned and node.id not in seen:
+                seen.add(node.id)
+                for value in assigned[node.id]:
+                    found = per_type(value, seen)
+                    if found:
+                        return found
+        return None
+
+    def builds_sliding(fn: ast.FunctionDef) -> str | None:
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Call) and _MASK_BUILDER.search(_ast_name(node.func)):
+                return _ast_name(node.func)
+        return f"{cls.name}.{fn.name}" if "sliding_window" in ast.unparse(fn) else None
+
+    chosen = None
+    for node in ast.walk(forward):
+        if isinstance(node, ast.Call):
+            for kw in node.keywords:
+                if kw.arg == "attention_mask":
+                    chosen = chosen or per_type(kw.value, set())
+    if chosen is None:
+        return None
+    helpers = [forward] + [
+        methods[n.func.attr] for n in ast.walk(forward)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
+        and n.func.value.id == "self" and n.func.attr in methods
+    ]
+    builder = next((b for b in map(builds_sliding, helpers) if b), None)
+    if builder is None:
+        return None
+    return f"`{cls.name}.forward` builds its sliding-window masks (`{builder}`) and gives each layer its type's mask (`{chosen}`)"
+
+
+def drafter_classes(tree: ast.Module) -> dict[str, str]:
+    """Classes whose ``forward`` takes ``target_hidden``, each with its self-masking evidence ("" if none)."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            forward = next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "forward"), None)
+            if forward is not None and any(a.arg == "target_hidden" for a in forward.args.args + forward.args.kwonlyargs):
+                out[node.name] = masks_itself(node) or ""
+    return out
 
 
 class WrapCall(Step):
     ID = "wrap-call"
-    DESCRIPTION = "Route `target(..., past_key_values=...)` calls inside decode loops through `_ddpatch_runtime.verify_forward`."
+    DESCRIPTION = "Route the target's (or drafter's) call in a decode loop, found by data flow, through a runtime helper."
     TRIGGERS = ()
-    PARAMS = {"callees": ["target"], "helper": "verify_forward", "keyword": "past_key_values", "in_loop": True}
+    PARAMS = {"role": "target", "helper": "verify_forward", "in_loop": True, "drafter_classes": {}}
     USES_RUNTIME = True
     EXAMPLES = (
         Example(
             """
-            def generate(target, ids, cache):
-                target(ids, past_key_values=cache)
+            def generate(draft, model, ids, cache, draft_cache):
+                out = model(ids, past_key_values=cache)
                 while True:
-                    out = target(ids, past_key_values=cache, use_cache=True)
+                    hidden = draft(target_hidden=out.hidden_states, past_key_values=draft_cache)
+                    out = model(ids, past_key_values=cache, use_cache=True)
             """,
             """
             import _ddpatch_runtime
 
-            def generate(target, ids, cache):
-                target(ids, past_key_values=cache)
+            def generate(draft, model, ids, cache, draft_cache):
+                out = model(ids, past_key_values=cache)
                 while True:
-                    out = _ddpatch_runtime.verify_forward(target, ids, past_key_values=cache, use_cache=True)
+                    hidden = draft(target_hidden=out.hidden_states, past_key_values=draft_cache)
+                    out = _ddpatch_runtime.verify_forward(model, ids, past_key_values=cache, use_cache=True)
             """,
-            "the prefill outside the loop is not a verify",
+            "the target is the model that is not given target_hidden, whatever it is called; the prefill is not a verify",
         ),
     )
 
     @classmethod
     def triggers(cls, params) -> tuple[str, ...]:
-        callees = "|".join(re.escape(c) for c in params["callees"])
-        return (re.escape(params["keyword"]), rf"(?:{callees})\s*\(|{re.escape(params['helper'])}\(")  # ast decides
+        return (ROLE_TRIGGER,)
 
     @classmethod
     def may_match(cls, tree: ast.Module, params) -> bool:
-        # `model(..., past_key_values=...)` is in every transformers model's forward; only a
-        # call inside a loop is a verify
-        helper = f"{RUNTIME_MODULE}.{params['helper']}"
-        calls = ast_calls(tree)
-        if any(ast_dotted(call.func) == helper for call in calls):
-            return True
-        wanted = []
-        for call in calls:
-            name = ast_dotted(call.func) or ""
-            if any(name == c or name.endswith("." + c) for c in params["callees"]) and any(k.arg == params["keyword"] for k in call.keywords):
-                wanted.append(call)
-        if not wanted or not params["in_loop"]:
-            return bool(wanted)
-        loops = ast_nodes(tree, ast.For, ast.AsyncFor, ast.While)
-        return any(ast_inside(call, loop) for call in wanted for loop in loops)
+        return may_have_roles(tree)  # no role, no site (flow.py)
+
+    @classmethod
+    def scan_tree(cls, sources: dict[str, str], params) -> dict:
+        """The tree's drafter classes and whether each builds its own sliding masks (for ``role = "drafter"``)."""
+        if params["role"] != DRAFTER:
+            return {}
+        found: dict[str, str] = {}
+        for text in sources.values():
+            if "target_hidden" not in text:
+                continue
+            try:
+                found.update(drafter_classes(ast.parse(text)))
+            except (SyntaxError, ValueError, RecursionError):
+                continue
+        return {"drafter_classes": found}
+
+    TREE_TRIGGER = "target_hidden"
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)
-        self._loops = [0]
+        self.flow: ModuleFlow | None = None
+        self.wrap: dict[cst.Call, str] = {}
+        self._module: cst.Module | None = None
+        self._classes: dict[str, str] | None = None
 
-    def visit_FunctionDef(self, node):
-        self._loops.append(0)
-        return super().visit_FunctionDef(node)
+    def visit_Module(self, node: cst.Module) -> bool:
+        self._module = node
+        self.flow = ModuleFlow(node)
+        role = self.params["role"]
+        for fn in self.flow.fns:
+            for mc in fn.model_calls:
+                if not is_role(fn.role(mc.callee), role) or mc.wrapped:
+                    continue
+                if role == TARGET and mc.cache is None:
+                    continue
+                if self.params["in_loop"] and not (mc.in_loop or self._only_called_in_loops(fn)):
+                    continue
+                evidence = self._masks_itself(fn, mc) if role == DRAFTER else None
+                if evidence:
+                    self.record(mc.call, FIXED_UPSTREAM, f"the drafter builds its own sliding-window masks: {evidence}", function=fn.name)
+                else:
+                    self.wrap[mc.call] = mc.callee
+        return True
 
-    def leave_FunctionDef(self, original_node, updated_node):
-        self._loops.pop()
-        return super().leave_FunctionDef(original_node, updated_node)
+    def _only_called_in_loops(self, fn: Fn) -> bool:
+        calls = list(self.flow.callers(fn))
+        return bool(calls) and all(in_loop for _c, _call, in_loop in calls)
 
-    def visit_While(self, node: cst.While) -> None:
-        self._loops[-1] += 1
+    def _drafter_class(self, fn: Fn, mc: ModelCall) -> str | None:
+        if mc.callee in ("self",) and fn.owner:
+            return fn.owner
+        if mc.callee in fn.annotations:
+            return fn.annotations[mc.callee].split(".")[-1] or None
+        for value in fn.assigns.get(mc.callee, []):
+            if isinstance(value, cst.Call):
+                func = value.func
+                if isinstance(func, cst.Attribute) and func.attr.value in ("from_pretrained", "from_config"):
+                    func = func.value
+                if isinstance(func, (cst.Name, cst.Attribute)):
+                    return (func.value if isinstance(func, cst.Name) else func.attr.value)
+        return None
 
-    def leave_While(self, original_node, updated_node):
-        self._loops[-1] -= 1
-        return updated_node
-
-    def visit_For(self, node: cst.For) -> None:
-        self._loops[-1] += 1
-
-    def leave_For(self, original_node, updated_node):
-        self._loops[-1] -= 1
-        return updated_node
-
-    def _callee(self, node: cst.Call) -> str | None:
-        name = dotted(node.func)
-        if name is None or keyword(node, self.params["keyword"]) is None:
-            return None
-        if not any(name == c or name.endswith("." + c) for c in self.params["callees"]):
-            return None
-        if self.params["in_loop"] and not self._loops[-1]:
-            return None
-        return name
+    def _masks_itself(self, fn: Fn, mc: ModelCall) -> str | None:
+        if self._classes is None:
+            self._classes = dict(self.params["drafter_classes"] or {})
+            try:
+                self._classes.update(drafter_classes(ast.parse(self._module.code)))
+            except (SyntaxError, ValueError, RecursionError):
+                pass
+        name = self._drafter_class(fn, mc)
+        if name in self._classes:
+            return self._classes[name] or None
+        candidates = list(self._classes.values())
+        if candidates and all(candidates):
+            return "; ".join(sorted(set(candidates)))
+        return None
 
     def visit_Call(self, node: cst.Call) -> None:
         if is_runtime_call(node, self.params["helper"]):
             self.record(node, PATCHED, f"call already goes through `{self.params['helper']}`")
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
-        callee = self._callee(original_node)
+        callee = self.wrap.get(original_node)
         if callee is None:
             return updated_node
-        self.record(original_node, APPLIED, f"`{callee}(...)` in the decode loop -> `{self.params['helper']}({callee}, ...)`")
+        what = "the target" if self.params["role"] == TARGET else "the drafter"
+        self.record(original_node, APPLIED, f"{what} `{callee}(...)` in the decode loop -> `{self.params['helper']}({callee}, ...)`")
         first = cst.Arg(updated_node.func)
         comma = updated_node.args[0].comma if updated_node.args else cst.MaybeSentinel.DEFAULT
         if isinstance(comma, cst.Comma):
