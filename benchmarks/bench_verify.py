@@ -6,7 +6,7 @@
 It patches vendored/ddtree twice into a temporary folder: with the code-shape steps only
 (what a hand `sed` gets you: it runs) and with the full recipe (rollback and tree verify
 too), verifies both, and prints one row per method: identical runs and mean acceptance,
-before and after. Then it times the full verify, which is what the README quotes.
+before and after, with the logits oracle's largest |logit difference|. Then it times the full verify, which is what the README quotes.
 """
 
 from __future__ import annotations
@@ -60,15 +60,16 @@ def main() -> None:
             times.append(seconds)
     env = full["environment"]
     print(f"transformers {env['transformers']}, torch {env['torch']}, preset {args.preset}")
-    print(f"\n{'method':<14} {'code-shape only':>24} {'full recipe':>24}")
+    print(f"\n{'method':<14} {'code-shape only':>44} {'full recipe':>44}")
     rows_before = {m["method"]: m for m in shape["models"][0]["methods"]}
     for m in full["models"][0]["methods"]:
         b = rows_before[m["method"]]
 
         def cell(x):
-            return f"{x['identical_runs']}/{len(x['runs'])} identical, acc {x.get('acceptance_mean', 0):.2f}"
+            return (f"{x['identical_runs']}/{len(x['runs'])} identical, acc {x.get('acceptance_mean', 0):.2f}, "
+                    f"max |dlogit| {x.get('max_dlogit', float('nan')):.1e}")
 
-        print(f"{m['method']:<14} {cell(b):>24} {cell(m):>24}")
+        print(f"{m['method']:<14} {cell(b):>44} {cell(m):>44}")
     print(f"\nddpatch verify {args.preset} (subprocess, wall): median {statistics.median(times):.1f} s over {len(times)} runs "
           f"(min {min(times):.1f}, max {max(times):.1f})")
 

@@ -136,3 +136,234 @@ class ScriptedDraft:
 
     def attach(self, draft):
         return draft.register_forward_hook(self, with_kwargs=True)
+
+
+# ----------------------------------------------------------------------------- the logits oracle
+#: Largest |logit difference| allowed against one from-scratch forward, per dtype. Measured on
+#: known-good runs (full recipe, chain and tree): float32 at most 2.7e-07 on the five presets of
+#: the time (default verify), 3.6e-06 with the sampling presets' sharper logits; on tiny-qwen3_5
+#: (3 seeds x 24 tokens) bfloat16 2.0e-03, float16 3.7e-04.
+#: float32 is "a few 1e-5": about 8x the worst known-good run, and low enough to see a broken
+#: Mamba2 rollback under transformers' default init, which moves logits by about 1e-5 to 1e-4.
+#: The half-precision tolerances leave a wide margin for real models, whose logits are larger
+#: (not measured: override with --logit-tolerance); a broken GDN rollback measures 1e-01 and more.
+LOGIT_TOLERANCE = {"float32": 3e-5, "bfloat16": 0.25, "float16": 0.05}
+
+
+class LogitsRecorder:
+    """Forward hooks on the target that keep what every target forward computed.
+
+    Per call: the input ids, their positions, the tree mask (if any) and the logits. Nothing
+    in the decoder changes: the hooks only read. ``positions`` falls back to the cache length
+    before the call when the decoder passes no ``position_ids``. Only forwards that use a cache
+    are decoding steps; others (a runtime's probe, a reference forward) are not recorded.
+    """
+
+    def __init__(self, target):
+        self.target = target
+        self.calls: list[dict] = []
+        self._handles = []
+        self._past = None
+
+    def __enter__(self):
+        self._handles = [
+            self.target.register_forward_pre_hook(self._before, with_kwargs=True),
+            self.target.register_forward_hook(self._after, with_kwargs=True),
+        ]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _before(self, module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        try:
+            self._past = int(cache.get_seq_length()) if cache is not None else 0
+        except Exception:  # a cache of another kind: positions must then come from position_ids
+            self._past = None
+
+    def _after(self, module, args, kwargs, output):
+        import torch
+
+        if kwargs.get("past_key_values") is None:  # not a decoding step (a probe, a reference forward)
+            return
+        ids = args[0] if args else kwargs.get("input_ids")
+        logits = getattr(output, "logits", None)
+        if ids is None or logits is None or ids.dim() != 2:
+            return
+        q = ids.shape[1]
+        positions = kwargs.get("position_ids")
+        if positions is not None:
+            positions = positions.reshape(-1, positions.shape[-1])[0, -q:]
+        elif self._past is not None:
+            positions = torch.arange(self._past, self._past + q)
+        else:
+            return
+        mask = kwargs.get("attention_mask")
+        visible = None
+        if mask is not None and mask.dim() == 4:
+            block = mask[0, 0, -q:, -q:]
+            visible = (block == 0) if block.dtype != torch.bool else block
+            visible = visible.cpu()
+        self.calls.append(
+            {
+                "ids": ids[0].detach().cpu().tolist(),
+                "positions": positions.detach().cpu().tolist(),
+                "visible": visible,
+                "logits": logits[0].detach().float().cpu(),
+            }
+        )
+
+
+def committed_rows(calls: list[dict], final: Sequence[int]) -> list[tuple[int, "object"]]:
+    """(position, logits row) for every recorded node whose context is the final sequence.
+
+    A node's context is itself and what it attends to among the call's inputs: all earlier
+    inputs for a chain, its ancestors (from the 4D mask) for a tree. Its logits are the ones
+    the decoder used to decide the token at ``position + 1``. Logits kept only for the last
+    inputs (``logits_to_keep``) align to the end.
+    """
+    final = list(final)
+    rows = []
+    for call in calls:
+        ids, pos, logits, visible = call["ids"], call["positions"], call["logits"], call["visible"]
+        q, kept = len(ids), logits.shape[0]
+        ok = [0 <= p < len(final) and t == final[p] for t, p in zip(ids, pos)]
+        for i in range(q - kept, q):
+            context = [j for j in range(q) if bool(visible[i, j])] if visible is not None else range(i + 1)
+            if all(ok[j] for j in context):
+                rows.append((pos[i], logits[i - (q - kept)]))
+    return rows
+
+
+@dataclass(frozen=True)
+class LogitsVerdict:
+    max_abs: float
+    at: int | None  # index into the new tokens of the position with the largest difference
+    first_over: int | None  # index into the new tokens of the first position over the tolerance
+    tolerance: float
+    positions: int  # committed positions compared
+
+    @property
+    def passed(self) -> bool:
+        return self.first_over is None and self.positions > 0
+
+    def describe(self) -> str:
+        if not self.positions:
+            return "no committed position was recorded (the target forward was not seen)"
+        text = f"max |Δlogit| {self.max_abs:.2e} at new token {self.at}, {self.positions} positions"
+        if self.first_over is not None:
+            return f"{text}; first over {self.tolerance:.0e} at new token {self.first_over}"
+        return f"{text} (tolerance {self.tolerance:.0e})"
+
+    def as_dict(self) -> dict:
+        return {"max_abs": self.max_abs, "at": self.at, "first_over": self.first_over,
+                "tolerance": self.tolerance, "positions": self.positions, "passed": self.passed}
+
+
+def reference_logits(target, sequence: Sequence[int]):
+    """One from-scratch forward of the target over ``sequence``: no cache, nothing speculative."""
+    import torch
+
+    device = target.get_input_embeddings().weight.device
+    with torch.inference_mode():
+        ids = torch.tensor([list(sequence)], device=device)
+        return target(ids, use_cache=False).logits[0].float().cpu()
+
+
+def judge_logits(calls: list[dict], final: Sequence[int], reference, prompt_len: int, tolerance: float) -> LogitsVerdict:
+    """Compare the logits the decoder used at committed positions with the from-scratch ones.
+
+    Positions are reported as new-token indices: the logits at position p decide new token
+    ``p + 1 - prompt_len``. The prompt's own positions (prefill) are compared too.
+    """
+    worst, at, first = 0.0, None, None
+    rows = committed_rows(calls, final)
+    for pos, row in sorted(rows, key=lambda r: r[0]):
+        diff = float((row - reference[pos]).abs().max())
+        new_index = pos + 1 - prompt_len
+        if diff > worst:
+            worst, at = diff, new_index
+        if diff > tolerance and first is None:
+            first = new_index
+    return LogitsVerdict(worst, at, first, tolerance, len(rows))
+
+
+# ----------------------------------------------------------------------------- the distributional check
+def chi_square_sf(statistic: float, dof: int) -> float:
+    """P(X >= statistic) for X ~ chi-square(dof), via the regularised upper incomplete gamma."""
+    import torch
+
+    if dof <= 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(statistic / 2.0, dtype=torch.float64)))
+
+
+@dataclass(frozen=True)
+class DistributionVerdict:
+    statistic: float
+    dof: int
+    p_value: float
+    samples: int
+    alpha: float
+
+    @property
+    def passed(self) -> bool:
+        return self.p_value >= self.alpha
+
+    def describe(self) -> str:
+        return f"chi-square {self.statistic:.1f} on {self.dof} dof over {self.samples} runs, p = {self.p_value:.3g} (fail below {self.alpha:g})"
+
+    def as_dict(self) -> dict:
+        return {"statistic": self.statistic, "dof": self.dof, "p_value": self.p_value, "samples": self.samples,
+                "alpha": self.alpha, "passed": self.passed}
+
+
+def chi_square_test(observed: dict, expected_probs: dict, alpha: float = 1e-3, min_expected: float = 5.0) -> DistributionVerdict:
+    """Goodness of fit of observed counts to exact probabilities.
+
+    Tokens are binned, least likely first, until each bin expects at least ``min_expected``
+    counts (so the chi-square approximation holds and rare tokens still count); a token
+    outside ``expected_probs`` joins the least likely bin.
+    """
+    n = sum(observed.values())
+    bins: list[list] = []  # [observed, expected]
+    current = [0.0, 0.0]
+    for token, p in sorted(expected_probs.items(), key=lambda kv: kv[1]):
+        current[0] += observed.get(token, 0)
+        current[1] += p * n
+        if current[1] >= min_expected:
+            bins.append(current)
+            current = [0.0, 0.0]
+    if bins:
+        bins[-1][0] += current[0]
+        bins[-1][1] += current[1]
+    else:
+        bins.append(current)
+    bins[0][0] += sum(c for t, c in observed.items() if t not in expected_probs)
+    cells = [(o, e) for o, e in bins if e > 0]
+    statistic = sum((o - e) ** 2 / e for o, e in cells)
+    dof = len(cells) - 1
+    return DistributionVerdict(statistic, dof, chi_square_sf(statistic, dof), n, alpha)
+
+
+def sampling_distribution(logits, temperature: float, top_p: float | None = None, top_k: int | None = None):
+    """The distribution a sampler draws from: temperature, then the ``top_k`` best tokens, then the
+    smallest set of best tokens holding ``top_p`` of the mass. Used for the exact expectations of
+    the distributional check; a decoder that defines top-p differently will fail it, rightly so
+    if it claims to sample the target."""
+    import torch
+
+    scores = logits.float() / temperature
+    if top_k and 0 < top_k < scores.shape[-1]:
+        kth = scores.topk(top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if top_p is not None and top_p < 1.0:
+        ranked, order = probs.sort(dim=-1, descending=True)
+        ranked = ranked.masked_fill(ranked.cumsum(dim=-1) - ranked >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, ranked)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs

@@ -1,9 +1,11 @@
 """``ddpatch verify``: run the patched decoder in a child process and judge it.
 
 The parent never imports torch or the patched tree: it starts
-``python -m patcher.verify_worker`` with a timeout, in a temporary working directory,
-offline, with bytecode writing off, shows a progress bar from the child's progress
-lines, and renders the child's final result. Exit 0 only if every check passed.
+``python .../patcher/verify_worker.py`` (by path: ddpatch is not importable there) with a
+timeout, in a temporary working directory, offline, with bytecode writing off, shows a
+progress bar from the child's progress lines, and renders the child's final result.
+Exit 0 only if every check passed; a crash of the verifier itself is ``VerifierCrash``
+(exit 3), never a verdict.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from pathlib import Path
 
 DEFAULTS = dict(
     presets=["tiny-qwen3_5"],
+    temperature=0.0,
+    sampling_runs=200,
     seeds=[0, 1],
     prompts=2,
     prompt_len=8,
@@ -30,7 +34,15 @@ DEFAULTS = dict(
 
 
 class VerifyError(Exception):
-    """Bad input or a failed run that produced no result (one line for the user)."""
+    """Bad input, or a run stopped by its timeout, that produced no result (one line for the user)."""
+
+    exit_code = 2
+
+
+class VerifierCrash(VerifyError):
+    """An internal error: the verifier itself crashed or died. Never a verdict on the tree."""
+
+    exit_code = 3
 
 
 @dataclass
@@ -56,15 +68,16 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
     for key in ("target", "draft"):
         if options.get(key) and not Path(options[key]).exists():
             raise VerifyError(f"--{key} {options[key]} does not exist")
-    if bool(options.get("target")) != bool(options.get("draft")):
-        raise VerifyError("--target and --draft go together")
+    if options.get("draft") and not options.get("target"):
+        raise VerifyError("--draft needs --target")
+    if options.get("target") and not options.get("draft") and not options.get("scripted_draft"):
+        raise VerifyError("--target needs --draft, or --scripted-draft to build a scripted draft from the tree's DFlashDraftModel")
     cfg = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}, "tree": str(tree.resolve())}
     env = dict(os.environ)
     env.update(
         PYTHONDONTWRITEBYTECODE="1",
         HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"),
         TRANSFORMERS_OFFLINE=env.get("TRANSFORMERS_OFFLINE", "1"),
-        PYTHONPATH=os.pathsep.join(p for p in [str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")] if p),
         TRANSFORMERS_VERBOSITY="error",
     )
     start = time.perf_counter()
@@ -72,7 +85,8 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
     result = None
     with tempfile.TemporaryDirectory(prefix="ddpatch-verify-") as workdir:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "patcher.verify_worker"],
+            # by path, not -m: the child must not have the patcher package importable (see verify_worker.sibling)
+            [sys.executable, str(Path(__file__).with_name("verify_worker.py"))],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -95,7 +109,9 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
         if seconds >= timeout:
             raise VerifyError(f"verify timed out after {timeout:.0f} s (raise --timeout, or use a smaller preset)")
         tail = " | ".join(line.strip() for line in log[-3:] if line.strip())
-        raise VerifyError(f"the verifier process died without a result: {tail or 'no output'}")
+        raise VerifierCrash(f"internal error: the verifier process died without a result: {tail or 'no output'}")
+    if result.get("crash"):
+        raise VerifierCrash(f"internal error: {result['crash']}")
     if result.get("fatal"):
         raise VerifyError(result["fatal"])
     return Outcome(result, seconds, log)
@@ -154,16 +170,24 @@ def render(outcome: Outcome, color: str = "auto") -> None:
         if not m.get("methods"):
             continue
         table = Table(box=None, header_style="bold", pad_edge=False, title=None)
-        for col in ("model", "method", "identical", "acceptance", "accept histogram", "tok/s", "speedup"):
+        sampled = bool(m.get("sampling"))
+        columns = ["model", "method", "identical", "max |Δlogit| (at)"] + (["distribution p"] if sampled else [])
+        for col in columns + ["acceptance", "accept histogram", "tok/s", "speedup"]:
             table.add_column(col)
         base = m["baseline"]
-        table.add_row(m["model"], base["method"], f"{base['identical_runs']}/{len(base['runs'])}", "-", "-", f"{base['tokens_per_s']:.1f}", "1.00x")
+        identical = "sampled" if sampled else f"{base['identical_runs']}/{len(base['runs'])}"
+        table.add_row(m["model"], base["method"], identical, "-", *(["-"] if sampled else []), "-", "-",
+                      f"{base['tokens_per_s']:.1f}", "1.00x")
         for s in m["methods"]:
             hist = " ".join(f"{k}:{v}" for k, v in s.get("acceptance_histogram", {}).items())
+            dlogit = f"{s['max_dlogit']:.1e} ({s['max_dlogit_at']})" if "max_dlogit" in s else "-"
+            dist = [f"{s['distribution']['p_value']:.3g}" if "distribution" in s else "-"] if sampled else []
             table.add_row(
                 m["model"],
                 s["method"],
-                f"{s['identical_runs']}/{len(s['runs'])}",
+                "sampled" if sampled else f"{s['identical_runs']}/{len(s['runs'])}",
+                dlogit,
+                *dist,
                 f"{s.get('acceptance_mean', 0):.2f}",
                 hist,
                 f"{s['tokens_per_s']:.1f}",
@@ -182,6 +206,9 @@ def _mark(passed: bool) -> str:
 
 def _evidence(check: dict) -> str:
     text = check.get("evidence", "")
+    if isinstance(text, dict):  # an error summary: show its message
+        text = text.get("error") or json.dumps(text)
+    text = str(text)
     if check.get("frame"):
         text += f" (at {check['frame']})"
     if check.get("hint"):

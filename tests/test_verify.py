@@ -4,6 +4,7 @@ hybrid presets), the full recipe passing, and bad input."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -133,7 +134,8 @@ def test_unpatched_tree_fails_to_load_with_a_hint():
     [
         (["verify", ROOT / "patcher"], "is not a DDTree/DFlash tree"),
         (["verify", ROOT / "vendored" / "ddtree", "--target", "/no/such/model", "--draft", "/no/such/draft"], "does not exist"),
-        (["verify", ROOT / "vendored" / "ddtree", "--target", ROOT], "go together"),
+        (["verify", ROOT / "vendored" / "ddtree", "--target", ROOT], "or --scripted-draft"),
+        (["verify", ROOT / "vendored" / "ddtree", "--draft", ROOT], "--draft needs --target"),
     ],
 )
 def test_bad_input_is_one_clear_line(args, needle):
@@ -168,16 +170,128 @@ draft.save_pretrained({str(dest / 'draft')!r})
 
 def test_local_model_folders_load_offline_with_device_map(full, tmp_path):
     target, draft = _save_local_models(full, tmp_path)
-    proc = ddpatch("verify", full, "--target", target, "--draft", draft, "--device-map", "cpu", "--dtype", "float32",
-                   "--prompts", "1", "--max-new-tokens", "12", "--format", "json")
+    proc = ddpatch("verify", full, "--target", target, "--draft", draft, "--scripted-draft", "--device-map", "cpu",
+                   "--dtype", "float32", "--prompts", "2", "--max-new-tokens", "16", "--format", "json")
     assert proc.returncode in (0, 1), proc.stderr
     payload = json.loads(proc.stdout)
     model = payload["models"][0]
     assert model["model"] == "target" and not model["plumbing_figures"]
     assert all(c["passed"] for c in model["checks"]), model["checks"]
+    assert _partial_acceptances(model), model["methods"]
+
+
+def _scripted(tree, target, *extra):
+    proc = ddpatch("verify", tree, "--target", target, "--scripted-draft", *extra, "--device-map", "cpu", "--dtype", "float32",
+                   "--prompts", "2", "--max-new-tokens", "16", "--format", "json")
+    assert proc.returncode in (0, 1), proc.stderr
+    return proc.returncode, json.loads(proc.stdout)["models"][0]
+
+
+def _partial_acceptances(model) -> bool:
+    block = 4
+    # Every method has rounds where some draft tokens were accepted and some rejected (the
+    # rollback had work to do), and accepts well above an unscripted draft's ~1.1 tokens a round.
+    methods = [m for m in model["methods"] if m.get("acceptance_histogram")]
+    return bool(methods) and all(
+        m["acceptance_mean"] > 1.5 and any(1 < int(k) < block for k in m["acceptance_histogram"]) for m in methods
+    )
+
+
+@pytest.mark.slow
+def test_scripted_draft_proves_a_local_target_before_any_drafter_exists(full, shape_only, tmp_path):
+    """--target DIR --scripted-draft: a draft of the tree's own class is built to fit the target and
+    scripted, so partial acceptances happen and the rollback is really exercised: the full recipe
+    passes and the code-shape-only patch fails on the user's own (here: saved tiny hybrid) model."""
+    target, draft = _save_local_models(full, tmp_path)
+    code, model = _scripted(full, target)
+    assert code == 0 and all(c["passed"] for c in model["checks"]), model["checks"]
+    assert _partial_acceptances(model), model["methods"]
+    code, model = _scripted(shape_only, target)
+    assert code == 1 and any(c["check"].startswith("lossless") and not c["passed"] for c in model["checks"])
+    # --draft DIR --scripted-draft scripts the real drafter's proposals
+    code, model = _scripted(full, target, "--draft", draft)
+    assert code == 0 and _partial_acceptances(model), model["methods"]
 
 
 def test_draft_that_does_not_fit_the_target(full, tmp_path):
     target, draft = _save_local_models(full, tmp_path, draft_hidden=32)
     proc = ddpatch("verify", full, "--target", target, "--draft", draft, "--device-map", "cpu", "--dtype", "float32")
     assert proc.returncode == 2 and "draft does not fit the target" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- failures of the run itself
+def _broken_copy(full: Path, dest: Path, edit) -> Path:
+    tree = dest / "broken"
+    shutil.copytree(full, tree)
+    source = tree / "ddtree.py"
+    source.write_text(edit(source.read_text()))
+    return tree
+
+
+def _raise_in_ddtree(text: str) -> str:
+    head, sep, tail = text.partition("    if block_size <= 1:")
+    assert sep, "the DDTree decoder's first statement moved"
+    return head + '    raise RuntimeError("boom at warm-up")\n' + sep + tail
+
+
+QUICK = ("--seeds", "0", "--prompts", "1", "--max-new-tokens", "8", "--tree-budgets", "4")
+
+
+@pytest.mark.parametrize("fmt", ["text"])  # text: where the report crashed; json is covered below
+def test_a_method_that_fails_to_warm_up_is_a_failed_check_not_a_crash(full, tmp_path, fmt):
+    tree = _broken_copy(full, tmp_path, _raise_in_ddtree)
+    proc = ddpatch("verify", tree, "--format", fmt, *QUICK)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "TypeError" not in proc.stdout + proc.stderr
+    if fmt == "json":
+        warm = checks_of(json.loads(proc.stdout))[("tiny-qwen3_5", "warms up")]
+        assert not warm["passed"] and "boom at warm-up" in warm["evidence"] and warm["frame"]
+    else:
+        assert "warms up" in proc.stdout and "boom at warm-up" in proc.stdout and "FAIL" in proc.stdout
+
+
+@pytest.mark.parametrize("fmt", ["json"])  # one stderr line whatever the format; JSON on stdout too
+def test_a_crash_of_the_verifier_is_an_internal_error_not_a_verdict(full, tmp_path, fmt):
+    # the worker process dies mid-run (as on an out-of-memory kill or a segfault in a kernel)
+    tree = _broken_copy(full, tmp_path, lambda t: _raise_in_ddtree(t).replace(
+        '    raise RuntimeError("boom at warm-up")\n', "    import os; os._exit(9)\n"))
+    proc = ddpatch("verify", tree, "--format", fmt, *QUICK)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddpatch: error: internal error"), proc.stderr
+    if fmt == "json":
+        payload = json.loads(proc.stdout)
+        assert payload["exit_code"] == 3 and payload["passed"] is False and "internal error" in payload["error"]
+
+
+# ----------------------------------------------------------------------------- ddpatch is not importable by the tree
+def test_a_patched_tree_runs_without_ddpatch(full):
+    code, payload = verify_json(full, "--seeds", "0", "--max-new-tokens", "8", "--tree-budgets", "4")
+    check = {c["check"]: c for c in payload["checks"]}["runs without ddpatch"]
+    assert code == 0 and check["passed"], check
+    for path in full.rglob("*.py"):
+        assert not re.search(r"^\s*(import|from)\s+patcher\b", path.read_text(), re.M), f"{path} imports ddpatch"
+
+
+def test_a_tree_that_imports_ddpatch_fails_to_load(full, tmp_path):
+    # ddpatch is pip-installed here, yet the verifier must not let the tree find it
+    tree = _broken_copy(full, tmp_path, lambda t: "import patcher.runtime\n" + t)
+    proc = ddpatch("verify", tree, "--format", "json", *QUICK)
+    assert proc.returncode == 1, proc.stderr
+    payload = json.loads(proc.stdout)
+    load = {c["check"]: c for c in payload["checks"]}["loads"]
+    assert not load["passed"] and "patcher" in load["error"] and "_ddpatch_runtime" in load["hint"]
+
+
+# ----------------------------------------------------------------------------- the demo, end to end
+@pytest.mark.slow
+def test_demo_end_to_end(tmp_path):
+    proc = ddpatch("demo", "--out", tmp_path / "demo", "--seeds", "0", "--prompts", "1", "--max-new-tokens", "12", "--tree-budgets", "4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "+++ " in out and "_ddpatch_runtime.verify_forward(" in out, "the diff is shown"
+    assert f"written to {tmp_path / 'demo'}" in out
+    for line in ("lossless: dflash", "lossless: ddtree_tb4", "runs without ddpatch"):
+        assert re.search(rf"{re.escape(line)}\s+pass", out), line
+    assert out.rstrip().endswith("PASS: every check passed")
+    assert (tmp_path / "demo" / "_ddpatch_runtime.py").is_file()

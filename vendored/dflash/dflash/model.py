@@ -41,11 +41,55 @@ def extract_context_feature(hidden_states: tuple[torch.Tensor, ...], layer_ids: 
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
-def sample(logits: torch.Tensor, temperature: float = 0.0) -> torch.Tensor:
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
     if temperature < 1e-5:
         return logits.argmax(dim=-1)
-    flat = torch.softmax(logits.float() / temperature, dim=-1).flatten(0, -2)
-    return torch.multinomial(flat, 1).view(logits.shape[:-1])
+    return _draw(sampling_probs(logits, temperature, top_p, top_k))
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """The distribution a token is drawn from: temperature, then the ``top_k`` best, then the
+    smallest set of best tokens holding ``top_p`` of the mass (nucleus)."""
+    scores = logits.float() / temperature
+    if 0 < top_k < scores.shape[-1]:
+        kth_best = scores.topk(top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth_best, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if top_p < 1.0:
+        ranked, order = probs.sort(dim=-1, descending=True)
+        mass_before = ranked.cumsum(dim=-1) - ranked
+        ranked = ranked.masked_fill(mass_before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, ranked)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _draw(probs: torch.Tensor) -> torch.Tensor:
+    return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).view(probs.shape[:-1])
+
+
+def speculative_sampling(
+    draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor
+) -> tuple[int, torch.Tensor]:
+    """Accept a drafted block so that every committed token is distributed as the target's own sample.
+
+    The speculative sampling rule (Leviathan et al., 2023; Chen et al., 2023): draft token
+    ``x`` at position ``i`` (drawn from ``q_i``) survives with probability
+    ``min(1, p_i(x) / q_i(x))``; the first rejected one is replaced by a draw from the
+    residual ``max(0, p_i - q_i)`` renormalised, and when all survive one more token comes
+    from ``p`` after the block. ``draft_probs`` is ``[n, vocab]``, ``target_probs`` is
+    ``[n + 1, vocab]``. Returns the number accepted and the token that follows them.
+    """
+    coins = torch.rand(draft_tokens.shape[0], device=draft_probs.device)
+    for i, token in enumerate(draft_tokens.tolist()):
+        p, q = target_probs[i, token], draft_probs[i, token]
+        if coins[i] * q < p:
+            continue
+        residual = (target_probs[i] - draft_probs[i]).clamp_min(0.0)
+        if float(residual.sum()) <= 0.0:  # p == q up to rounding: nothing to correct
+            residual = target_probs[i]
+        return i, _draw(residual / residual.sum())
+    return draft_tokens.shape[0], _draw(target_probs[-1])
 
 
 def _cuda_time() -> float:
@@ -63,12 +107,19 @@ def dflash_generate(
     model: "DFlashDraftModel", target: nn.Module, input_ids: torch.LongTensor, max_new_tokens: int,
     stop_token_ids: Optional[list[int]], temperature: float,
     block_size: Optional[int] = None, mask_token_id: Optional[int] = None, return_stats: bool = False,
+    top_p: float = 1.0, top_k: int = 0,
 ):
     """Greedy or sampled chain speculative decoding for a batch of one prompt.
+
+    Greedy decoding keeps the draft tokens that equal the target's argmax. Sampled decoding
+    (``temperature > 0``, with ``top_p`` / ``top_k``) draws the block from the draft's
+    distribution and accepts it by speculative (rejection) sampling against the target's,
+    so the output is distributed as the target's own sampling.
 
     Returns the prompt plus generated ids, or with ``return_stats`` a namespace that also
     holds timings and the per-round acceptance lengths.
     """
+    sampled = temperature >= 1e-5
     block_size = block_size or model.block_size
     mask_token_id = model.mask_token_id if mask_token_id is None else mask_token_id
     device = target.device
@@ -92,7 +143,7 @@ def dflash_generate(
         logits_to_keep=1,
         output_hidden_states=block_size > 1,
     )
-    sequence[:, prompt_len] = sample(first.logits[:, -1], temperature)
+    sequence[:, prompt_len] = sample(first.logits[:, -1], temperature, top_p, top_k)
     context = extract_context_feature(first.hidden_states, model.target_layer_ids) if block_size > 1 else None
     time_to_first_token = _cuda_time() - prefill_start if return_stats else None
     decode_start = _cuda_time() if return_stats else None
@@ -110,7 +161,12 @@ def dflash_generate(
                 use_cache=True,
             )
             draft_cache.crop(start)
-            block[:, 1:] = sample(target.lm_head(hidden[:, 1:]), temperature)
+            draft_logits = target.lm_head(hidden[:, 1:])
+            if sampled:
+                draft_probs = sampling_probs(draft_logits[0], temperature, top_p, top_k)
+                block[:, 1:] = _draw(draft_probs)
+            else:
+                block[:, 1:] = sample(draft_logits, temperature)
 
         out = target(
             block,
@@ -119,10 +175,15 @@ def dflash_generate(
             use_cache=True,
             output_hidden_states=block_size > 1,
         )
-        target_choice = sample(out.logits, temperature)
-        run = (block[:, 1:] == target_choice[:, :-1]).int().cumprod(dim=-1).sum().item()
+        if sampled and block_size > 1:
+            target_probs = sampling_probs(out.logits[0], temperature, top_p, top_k)
+            run, next_token = speculative_sampling(block[0, 1:], draft_probs, target_probs)
+        else:
+            target_choice = sample(out.logits, temperature, top_p, top_k)
+            run = (block[:, 1:] == target_choice[:, :-1]).int().cumprod(dim=-1).sum().item()
+            next_token = target_choice[:, run]
         sequence[:, start : start + run + 1] = block[:, : run + 1]
-        sequence[:, start + run + 1] = target_choice[:, run]
+        sequence[:, start + run + 1] = next_token
         acceptance_lengths.append(run + 1)
 
         start += run + 1
