@@ -242,7 +242,8 @@ class CommitEval:
 
     @property
     def no_match(self) -> list[str]:
-        return [sid for sid, s in self.steps.items() if s["status"] == NO_MATCH]
+        """Steps that fail here: no-match, or not checked because a file they need was skipped."""
+        return [sid for sid, s in self.steps.items() if s["status"] not in GREEN]
 
     @property
     def verify_failed(self) -> bool:
@@ -412,6 +413,10 @@ class CIResult:
     def first_change(self, step: str) -> Finding | None:
         return next((f for f in self.findings if f.step == step and f.first), None)
 
+    def change_in_effect(self, step: str) -> Finding | None:
+        """The newest change of ``step`` in the range: the one whose status holds at the tip (what to blame)."""
+        return next((f for f in reversed(self.findings) if f.step == step), None)
+
     def as_dict(self) -> dict:
         from . import __version__
 
@@ -446,26 +451,37 @@ def _transitions(n: int, status: Callable[[int], Any], known: Callable[[], set[i
     ``status(i)`` evaluates commit i (cached by the caller); ``known()`` is the set of
     indices evaluated so far, used to narrow each search. Between two evaluated commits
     with equal status the status is assumed constant, as ``git bisect`` assumes.
+
+    The search runs back from the tip, so that the change in effect at the tip is the one
+    found first, also when the history breaks, is fixed, and breaks again: from the tip it
+    gallops back (1, 3, 7, 15, ... commits before it) to the nearest commit with another
+    status, then bisects between the two. Older changes are searched the same way below
+    it, while the oldest commit or an evaluated one in between shows another status.
     """
-    out = []
-    lo = 0
-    while lo < n - 1:
-        base = status(lo)
-        status(n - 1)
-        hi = next((i for i in sorted(known()) if i > lo and status(i) != base), None)
-        if hi is None:
-            break
-        # every evaluated commit in [lo, hi) has the old status: start the search at the last of them
-        lo = max(i for i in known() if lo <= i < hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if status(mid) == base:
-                lo = mid
+    out: list[tuple[int, int]] = []
+    hi = n - 1
+    while hi > 0:
+        now = status(hi)
+        other = [i for i in known() if i < hi and status(i) != now]
+        if not other and status(0) == now:
+            break  # constant back to the oldest commit, as far as the evaluations show
+        lo = max(other, default=0 if status(0) != now else None)
+        step = 1
+        while True:
+            # every evaluated commit in (lo, hi] has the status ``now``; ``top`` is the oldest of them
+            top = min(i for i in known() | {hi} if (lo is None or i > lo) and i <= hi)
+            if lo is not None and top - lo <= 1:
+                break
+            if lo is None or top - step > lo:
+                probe = max(top - step, 0)  # gallop back from the tip
+                step *= 2
             else:
-                hi = mid
-        out.append((lo, hi))
-        lo = hi
-    return out
+                probe = (lo + top) // 2  # bisect
+            if status(probe) != now:
+                lo = probe
+        out.append((lo, top))
+        hi = lo
+    return out[::-1]
 
 
 def run_ci(
@@ -894,11 +910,11 @@ def render_junit(result: CIResult) -> str:
                 continue
             lines = [f"{a['status']}: {a.get('path') or '-'}:{a.get('line') or '-'} {a.get('function') or ''}: {a['message']}"
                      for a in entry.get("anchors", [])]
-            if entry["status"] == NO_MATCH:
-                bad = [a["message"] for a in entry.get("anchors", []) if a["status"] == NO_MATCH] or ["nothing matched"]
-                fail = ET.SubElement(case, "failure", message=f"no-match: {'; '.join(bad)}"[:1000], type=NO_MATCH)
-                finding = result.first_change(sid)
-                extra = [f"first change: {finding.before} -> {finding.after} at {finding.commit.sha} {finding.commit.subject}"] if finding else []
+            if entry["status"] not in GREEN:
+                bad = [a["message"] for a in entry.get("anchors", []) if a["status"] not in GREEN] or ["nothing matched"]
+                fail = ET.SubElement(case, "failure", message=f"{entry['status']}: {'; '.join(bad)}"[:1000], type=entry["status"])
+                finding = result.change_in_effect(sid) if ev is result.tip else None
+                extra = [f"in effect since: {finding.before} -> {finding.after} at {finding.commit.sha} {finding.commit.subject}"] if finding else []
                 fail.text = "\n".join(lines + extra)
                 counts["failures"] += 1
             else:
@@ -978,11 +994,12 @@ def render_sarif(result: CIResult) -> dict:
     index = {r["id"]: i for i, r in enumerate(rules)}
     results = []
     for sid, entry in tip.steps.items():
-        if entry["status"] != NO_MATCH:
+        if entry["status"] in GREEN:
             continue
-        finding = result.first_change(sid)
-        since = f" (first no-match at {finding.commit.short} \"{finding.commit.subject}\")" if finding and finding.after == NO_MATCH else ""
-        bad = [a for a in entry.get("anchors", []) if a["status"] == NO_MATCH] or [
+        finding = result.change_in_effect(sid)
+        since = (f" ({finding.after} since {finding.commit.short} \"{finding.commit.subject}\")"
+                 if finding and finding.after == entry["status"] else "")
+        bad = [a for a in entry.get("anchors", []) if a["status"] not in GREEN] or [
             {"function": None, "message": "nothing matched", "path": None, "line": None}]
         for a in bad:
             if a.get("path"):
@@ -1051,9 +1068,12 @@ def _ints(value: str | None, flag: str) -> list[int] | None:
     if value is None:
         return None
     try:
-        return [int(v) for v in value.split(",") if v.strip()]
+        out = [int(v) for v in value.split(",") if v.strip()]
     except ValueError:
         raise _failure(f"{flag}: expected comma-separated integers, got {value!r}") from None
+    if not out or any(v < 0 or flag == "--tree-budgets" and v < 1 for v in out):
+        raise _failure(f"{flag}: expected comma-separated integers >= {1 if flag == '--tree-budgets' else 0}, got {value!r}")
+    return out
 
 
 @click.command("ci", context_settings={"help_option_names": ["-h", "--help"]})
@@ -1066,11 +1086,11 @@ def _ints(value: str | None, flag: str) -> list[int] | None:
 @click.option("--verify", "do_verify", is_flag=True, help="Also run `ddpatch verify` on each evaluated commit's patched tree.")
 @click.option("--preset", "presets", multiple=True, help="With --verify: built-in tiny model (repeatable; default tiny-qwen3_5).")
 @click.option("--seeds", default=None, help="With --verify: comma-separated seeds.")
-@click.option("--prompts", type=int, default=None, help="With --verify: prompts per seed.")
-@click.option("--max-new-tokens", type=int, default=None, help="With --verify: new tokens per prompt.")
-@click.option("--block-size", type=int, default=None, help="With --verify: draft block size.")
+@click.option("--prompts", type=click.IntRange(min=1), default=None, help="With --verify: prompts per seed.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=None, help="With --verify: new tokens per prompt.")
+@click.option("--block-size", type=click.IntRange(min=2), default=None, help="With --verify: draft block size.")
 @click.option("--tree-budgets", default=None, help="With --verify: DDTree node budgets, comma-separated.")
-@click.option("--verify-timeout", type=float, default=600.0, show_default=True, help="With --verify: seconds per commit before the verifier is stopped.")
+@click.option("--verify-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True, help="With --verify: seconds per commit before the verifier is stopped.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "junit", "sarif"]), default="text", show_default=True, help="Output format (stdout).")
 @click.option("--junit-file", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Also write the JUnit XML report here.")
 @click.option("--sarif-file", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Also write the SARIF 2.1.0 report here.")

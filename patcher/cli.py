@@ -6,6 +6,7 @@ Exit codes, for every command:
      report failures) a step no longer matches at the newest commit
   2  a recipe step no longer matches (``apply``/``diff``/``check``), a skipped file, bad input,
      or an error (one line on stderr says which)
+  3  an internal error of ddpatch (the verifier crashed): not a verdict on the tree
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import click
 from . import __version__
 
 EXIT_OK, EXIT_PENDING, EXIT_ERROR = 0, 1, 2
+EXIT_INTERNAL = 3  # ddpatch itself failed (a crash of the verifier): never a verdict
 FORMAT = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True, help="Output format.")
 
 
@@ -29,6 +31,43 @@ class Failure(click.ClickException):
 
     def show(self, file=None) -> None:
         click.echo(f"ddpatch: error: {self.format_message()}", err=True)
+
+
+def _wants_json(argv: list[str]) -> bool:
+    return "--format=json" in argv or any(a == "--format" and b == "json" for a, b in zip(argv, argv[1:]))
+
+
+class Main(click.Group):
+    """The ``ddpatch`` group: every error, click's usage errors included, is one ``ddpatch: error:`` line.
+
+    With ``--format json`` an error also prints a JSON object on stdout (``command``,
+    ``error``, ``exit_code``), so that a script always gets one.
+    """
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        argv = list(sys.argv[1:] if args is None else args)
+        try:
+            rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":  # a bare `ddpatch`: the help is the answer
+                exc.show()
+                sys.exit(exc.exit_code)
+            message = exc.format_message()
+            if isinstance(exc, click.UsageError) and exc.ctx is not None:
+                message += f" (see `{exc.ctx.command_path} --help`)"
+            if _wants_json(argv):
+                from .report import print_json
+
+                command = next((a for a in argv if a in self.commands), None)
+                print_json({"command": command, "error": message, "exit_code": exc.exit_code})
+            click.echo(f"ddpatch: error: {message}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("ddpatch: error: aborted", err=True)
+            sys.exit(EXIT_ERROR)
+        sys.exit(rv if isinstance(rv, int) else EXIT_OK)
 
 
 def friendly(fn):
@@ -44,11 +83,14 @@ def friendly(fn):
             return fn(*args, **kwargs)
         except (EngineError, RecipeError, JournalError, ValueError) as exc:
             raise Failure(str(exc)) from None
+        except OSError as exc:  # e.g. a full disk while writing: one line, not a traceback
+            where = f": {exc.filename}" if exc.filename else ""
+            raise Failure(f"{exc.strerror or exc}{where}") from None
 
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ddpatch")
 def main() -> None:
     """Compatibility recipes for speculative-decoding research code, and a verifier that proves them lossless.
@@ -77,10 +119,15 @@ def recipes_list(fmt: str) -> None:
 
     items = [load_recipe(name) for name in sorted(builtin_recipes())]
     if fmt == "json":
-        print_json({"recipes": [{"name": r.name, "version": r.version, "description": r.description} for r in items]})
+        print_json({"recipes": [{"name": r.name, "version": r.version, "description": r.description,
+                                  "verified": r.verified, "refused": r.refused} for r in items]})
         return
     for r in items:
         click.echo(f"{r.name:<16} v{r.version}  {r.description.splitlines()[0] if r.description else ''}")
+        if r.verified:
+            click.echo(f"{'':<16}  verified on: " + ", ".join(f"{t} ({p})" for t, p in r.verified.items()))
+        if r.refused:
+            click.echo(f"{'':<16}  refused: " + ", ".join(f"{t} ({p})" for t, p in r.refused.items()))
 
 
 @recipes.command("show")
@@ -110,10 +157,19 @@ def recipes_show(name: str, fmt: str) -> None:
                     "examples": [{"before": e.clean().before, "after": e.clean().after, "note": e.note} for e in cls.EXAMPLES],
                 }
             )
-        print_json({"name": r.name, "version": r.version, "transformers": r.transformers, "steps": steps})
+        print_json({"name": r.name, "version": r.version, "transformers": r.transformers, "steps": steps,
+                    "verified": r.verified, "refused": r.refused})
         return
     click.echo(f"{r.name} v{r.version} (transformers {r.transformers})")
     click.echo(r.description)
+    if r.verified:
+        click.echo("\nverified lossless on (model type: ddpatch verify --preset):")
+        for model_type, preset in r.verified.items():
+            click.echo(f"   {model_type:<18} {preset}")
+    if r.refused:
+        click.echo("refused in one line (model type: preset):")
+        for model_type, preset in r.refused.items():
+            click.echo(f"   {model_type:<18} {preset}")
     for i, s in enumerate(r.steps, 1):
         cls = CODEMODS[s.codemod]
         click.echo(f"\n{i}. {s.id}  [{s.codemod}]" + (f"  (only {', '.join(s.upstreams)})" if s.upstreams else ""))
@@ -205,6 +261,27 @@ def _run(recipe_name, path, select, ignore, upstream, jobs, label="files"):
         return run_recipe(recipe, Path(path), upstream=upstream, jobs=jobs or os.cpu_count() or 1, progress=progress)
 
 
+def _require_code(report) -> None:
+    """A tree with none of the recipe's code is bad input: say so in one line."""
+    if report.upstream is not None or report.changed or report.skipped:
+        return
+    if any(site for step in report.steps for site in step.sites):
+        return
+    markers = "; ".join(f"{u.name}: {', '.join(u.markers)}" for u in report.recipe.upstreams.values())
+    raise Failure(
+        f"no code for recipe {report.recipe.name} under {report.root}: no upstream layout detected (marker functions {markers}) "
+        "and no step found a site; pass --upstream NAME to check it as that layout"
+    )
+
+
+def _report_errors(report) -> None:
+    """One ``ddpatch: error:`` line on stderr per failure, the cause (a skipped file) first."""
+    from .report import error_lines
+
+    for line in error_lines(report):
+        click.echo(f"ddpatch: error: {line}", err=True)
+
+
 def _exit_code(report, pending: bool) -> int:
     if report.no_match or report.skipped:
         return EXIT_ERROR
@@ -227,26 +304,33 @@ def apply(path, recipe_name, select, ignore, upstream, jobs, verbose, fmt, out, 
     """Rewrite PATH in place (or into --out DIR) with a recipe.
 
     Re-running on a patched tree changes nothing and reports every step as
-    already-applied. A no-match step stops the run before anything is written,
-    unless --allow-partial. In-place writes are journalled: `ddpatch revert PATH`
-    undoes them; a read-only file is reported and left as it is.
+    already-applied. A no-match step, or a file that is skipped (it cannot be read,
+    parsed or, in place, written), stops the run before anything is written, unless
+    --allow-partial; its sites are then reported `pending` or `skipped`. In-place writes
+    are atomic and journalled: `ddpatch revert PATH` undoes them.
+
+    Exit 0: done (or nothing to do); 2: a step is no-match, a file was skipped, or bad
+    input (one `ddpatch: error:` line on stderr for each).
     """
     from . import journal
-    from .engine import refuse_unwritable, write_report
+    from .engine import mark_pending, refuse_unwritable, write_report
     from .report import print_diff, print_json, print_summary
 
     report = _run(recipe_name, path, select, ignore, upstream, jobs, "apply")
-    blocked = bool(report.no_match) and not allow_partial
+    _require_code(report)
+    if out is None:
+        refuse_unwritable(report)  # a read-only file is skipped, like one that cannot be parsed
+    blocked = bool(report.no_match or report.skipped) and not allow_partial
     written: list[str] = []
     dest = None
-    if not blocked:
+    if blocked:
+        mark_pending(report)
+    else:
         base = report.root if report.root.is_dir() else report.root.parent
         if out is not None:
             dest = _prepare_out(report.root, out, force)
-        else:
-            refuse_unwritable(report)
-            if report.changed:
-                journal.record(base, {f.path: f.patched for f in report.changed}, report.recipe.label)
+        elif report.changed:
+            journal.record(base, {f.path: f.encoded() for f in report.changed}, report.recipe.label)
         written = write_report(report, dest)
     code = _exit_code(report, pending=False)
     if fmt == "json":
@@ -255,21 +339,23 @@ def apply(path, recipe_name, select, ignore, upstream, jobs, verbose, fmt, out, 
         print_summary(report, "apply", verbose)
         if show_diff:
             print_diff(report)
-        if blocked:
-            click.echo("nothing written: a step is no-match (see above); use --allow-partial to write the rest", err=True)
-        elif written:
+        if written:
             click.echo(f"wrote {len(written)} file(s) under {dest or report.root}")
-        else:
+        elif not blocked:
             click.echo("nothing to change" + (f"; copied the tree to {dest}" if dest else ""))
+    _report_errors(report)
+    if blocked and report.changed:
+        why = "a step is no-match" if report.no_match else "a file was skipped"
+        click.echo(f"ddpatch: error: nothing written: {why}; use --allow-partial to write the rest", err=True)
     sys.exit(code)
 
 
-def _prepare_out(root: Path, out: Path, force: bool) -> Path:
+def _prepare_out(root: Path, out: Path, force: bool, hint: str = "use --force to write into it") -> Path:
     out = out.resolve()
     if out == root or out.is_relative_to(root) and root.is_dir():
         raise ValueError(f"--out {out} must be outside the tree being patched")
     if out.exists() and any(out.iterdir()) and not force:
-        raise ValueError(f"--out {out} exists and is not empty (use --force to write into it)")
+        raise ValueError(f"--out {out} exists and is not empty ({hint})")
     if root.is_dir():
         shutil.copytree(root, out, symlinks=True, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".git", "__pycache__"))
     else:
@@ -289,9 +375,12 @@ def diff(path, recipe_name, select, ignore, upstream, jobs, verbose, fmt, stat, 
 
     Exit 0: no changes; 1: changes; 2: a step is no-match or a file was skipped.
     """
+    from .engine import mark_pending
     from .report import diff_stat, diff_text, print_diff, print_json
 
     report = _run(recipe_name, path, select, ignore, upstream, jobs, "diff")
+    _require_code(report)
+    mark_pending(report)
     code = _exit_code(report, pending=True)
     if fmt == "json":
         print_json(_payload(report, "diff", code, diff=diff_text(report)))
@@ -299,11 +388,7 @@ def diff(path, recipe_name, select, ignore, upstream, jobs, verbose, fmt, stat, 
         click.echo(diff_stat(report), nl=False)
     else:
         print_diff(report, color)
-    for f in report.skipped:
-        click.echo(f"ddpatch: skipped {f.path}: {f.error}", err=True)
-    for s in report.no_match:
-        reasons = "; ".join(a.message for a in s.anchors if a.status == "no-match") or "nothing matched"
-        click.echo(f"ddpatch: no-match {s.spec.id}: {reasons}", err=True)
+    _report_errors(report)
     sys.exit(code)
 
 
@@ -312,13 +397,17 @@ def diff(path, recipe_name, select, ignore, upstream, jobs, verbose, fmt, stat, 
 @recipe_options
 @friendly
 def check(path, recipe_name, select, ignore, upstream, jobs, verbose, fmt) -> None:
-    """Report each step's status; writes nothing.
+    """Report each step's status; writes nothing. A site apply would rewrite is `pending`.
 
-    Exit 0: nothing to do; 1: changes pending; 2: a step no longer matches, or an error.
+    Exit 0: nothing to do; 1: changes pending; 2: a step no longer matches, a file was
+    skipped, or an error.
     """
+    from .engine import mark_pending
     from .report import print_json, print_summary
 
     report = _run(recipe_name, path, select, ignore, upstream, jobs, "check")
+    _require_code(report)
+    mark_pending(report)
     code = _exit_code(report, pending=True)
     if fmt == "json":
         print_json(_payload(report, "check", code))
@@ -326,16 +415,22 @@ def check(path, recipe_name, select, ignore, upstream, jobs, verbose, fmt) -> No
         print_summary(report, "check", verbose)
         pending = len(report.changed)
         click.echo(f"{pending} file(s) would change" if pending else "nothing to change")
+    _report_errors(report)
     sys.exit(code)
 
 
-def _ints(value: str | None) -> list[int] | None:
+def _ints(value: str | None, minimum: int | None = None, flag: str = "") -> list[int] | None:
     if value is None:
         return None
     try:
-        return [int(v) for v in value.split(",") if v.strip()]
+        out = [int(v) for v in value.split(",") if v.strip()]
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}", param_hint=flag or None) from None
+    if not out:
+        raise click.BadParameter(f"expected at least one integer, got {value!r}", param_hint=flag or None)
+    if minimum is not None and any(v < minimum for v in out):
+        raise click.BadParameter(f"every value must be >= {minimum}, got {value!r}", param_hint=flag or None)
+    return out
 
 
 def verify_options(fn):
@@ -345,36 +440,42 @@ def verify_options(fn):
         click.option("--preset", "presets", multiple=True, type=click.Choice(sorted(PRESETS)), help="Built-in tiny model (repeatable). Default: tiny-qwen3_5."),
         click.option("--target", type=click.Path(path_type=Path), default=None, help="A local target model folder (from_pretrained, offline)."),
         click.option("--draft", type=click.Path(path_type=Path), default=None, help="A local draft model folder for the tree's DFlashDraftModel."),
+        click.option("--scripted-draft", is_flag=True,
+                     help="Script the draft's proposals from the target's greedy continuation (true token at rank 0, 1 or "
+                          "nowhere), as the presets do. With --target alone, a draft that fits the target is built from "
+                          "the tree's own DFlashDraftModel; with --draft, the real drafter's proposals are scripted."),
         click.option("--device-map", default=None, help="accelerate device_map for real models, e.g. auto."),
         click.option("--dtype", default=None, help="torch dtype for real models (default bfloat16)."),
         click.option("--attn-implementation", default=None, help="Target attention implementation (default sdpa)."),
         click.option("--trust-remote-code", is_flag=True, help="Allow model code from the model folder (off by default)."),
         click.option("--seeds", default=None, help="Comma-separated seeds (default 0,1)."),
-        click.option("--prompts", type=int, default=None, help="Prompts per seed (default 2)."),
-        click.option("--max-new-tokens", type=int, default=None, help="New tokens per prompt (default 32)."),
-        click.option("--block-size", type=int, default=None, help="Draft block size (default 4)."),
-        click.option("--tree-budgets", default=None, help="DDTree node budgets, comma-separated (default 4,8)."),
-        click.option("--timeout", type=float, default=600.0, show_default=True, help="Seconds before the verifier is stopped."),
+        click.option("--prompts", type=click.IntRange(min=1), default=None, help="Prompts per seed (default 2)."),
+        click.option("--max-new-tokens", type=click.IntRange(min=1), default=None, help="New tokens per prompt (default 32)."),
+        click.option("--block-size", type=click.IntRange(min=2), default=None, help="Draft block size, >= 2 (default 4)."),
+        click.option("--tree-budgets", default=None, help="DDTree node budgets, comma-separated, each >= 1 (default 4,8)."),
+        click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+                     help="Seconds before the verifier is stopped (> 0)."),
     ]
     for option in reversed(options):
         fn = option(fn)
     return fn
 
 
-def _verify_options(presets, target, draft, device_map, dtype, attn_implementation, trust_remote_code, seeds, prompts, max_new_tokens, block_size, tree_budgets):
+def _verify_options(presets, target, draft, scripted_draft, device_map, dtype, attn_implementation, trust_remote_code, seeds, prompts, max_new_tokens, block_size, tree_budgets):
     return dict(
         presets=list(presets) or None,
         target=str(target) if target else None,
         draft=str(draft) if draft else None,
+        scripted_draft=scripted_draft or None,
         device_map=device_map,
         dtype=dtype,
         attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code or None,
-        seeds=_ints(seeds),
+        seeds=_ints(seeds, 0, "--seeds"),
         prompts=prompts,
         max_new_tokens=max_new_tokens,
         block_size=block_size,
-        tree_budgets=_ints(tree_budgets),
+        tree_budgets=_ints(tree_budgets, 1, "--tree-budgets"),
     )
 
 
@@ -396,35 +497,73 @@ def _verify_and_report(tree: Path, fmt: str, timeout: float, options: dict) -> i
                     **options,
                 )
     except VerifyError as exc:
-        raise Failure(str(exc)) from None
+        return _verify_failed(fmt, str(exc), exc.exit_code)
     code = EXIT_OK if outcome.passed else EXIT_PENDING
-    if fmt == "json":
-        print_json({"command": "verify", "passed": outcome.passed, "seconds": round(outcome.seconds, 2), **outcome.result, "exit_code": code})
-    else:
-        render(outcome)
+    try:
+        if fmt == "json":
+            print_json({"command": "verify", "passed": outcome.passed, "seconds": round(outcome.seconds, 2), **outcome.result, "exit_code": code})
+        else:
+            render(outcome)
+    except Exception as exc:  # a bug of ours must not read as a verdict on the tree
+        return _verify_failed(fmt, f"internal error: rendering the report failed: {type(exc).__name__}: {exc}", EXIT_INTERNAL)
     return code
+
+
+def _verify_failed(fmt: str, message: str, code: int) -> int:
+    """One ``ddpatch: error:`` line on stderr (and a JSON object on stdout with --format json)."""
+    from .report import print_json
+
+    if fmt == "json":
+        print_json({"command": "verify", "passed": False, "error": message, "exit_code": code})
+    click.echo(f"ddpatch: error: {message}", err=True)
+    return code
+
+
+def sampling_options(fn):
+    options = [
+        click.option("--temperature", type=click.FloatRange(min=0), default=None,
+                     help="Verify sampled decoding (seeded): the logits oracle and a distributional test judge it. Default 0: greedy."),
+        click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=None, help="Nucleus sampling, with --temperature (only decoders that take top_p run)."),
+        click.option("--top-k", type=click.IntRange(min=1), default=None, help="Top-k sampling, with --temperature (only decoders that take top_k run)."),
+        click.option("--sampling-runs", type=click.IntRange(min=0), default=None, help="Seeded runs of the distributional test (default 200; 0: off)."),
+        click.option("--default-init", is_flag=True, help="Keep transformers' default init of the presets' state parameters (a weaker test: for controls)."),
+        click.option("--logit-tolerance", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="Largest |logit difference| the logits oracle allows (default per dtype: float32 1e-4, bfloat16 0.25, float16 0.05)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
 
 
 @main.command()
 @click.argument("path", type=click.Path(path_type=Path))
 @verify_options
+@sampling_options
 @FORMAT
 @friendly
-def verify(path, presets, target, draft, device_map, dtype, attn_implementation, trust_remote_code, seeds, prompts, max_new_tokens, block_size, tree_budgets, timeout, fmt) -> None:
+def verify(path, presets, target, draft, scripted_draft, device_map, dtype, attn_implementation, trust_remote_code, seeds, prompts, max_new_tokens, block_size, tree_budgets, timeout,
+           temperature, top_p, top_k, sampling_runs, default_init, logit_tolerance, fmt) -> None:
     """Prove a patched tree decodes losslessly: speculative greedy output must equal the target's greedy.
 
     Loads the tree's own dflash_generate / ddtree_generate / DFlashDraftModel in a child
     process, warms up, runs a short benchmark (DFlash and DDTree at each tree budget)
-    and checks token identity, the reference decoder's own consistency, acceptance
-    lengths and speed. Exit 0 only if every check passed; 1 if a check failed; 2 on bad
-    input or a timeout.
+    and checks token identity, the logits the decoder used against one from-scratch
+    forward, the reference decoder's own consistency, acceptance lengths and speed. With
+    --temperature it decodes sampled and seeded, and adds a distributional test. Exit 0
+    only if every check passed; 1 if a check failed; 2 on bad input or a timeout; 3 if
+    the verifier itself crashed.
 
     \b
     ddpatch verify patched/                          # tiny hybrid preset, CPU
     ddpatch verify patched/ --preset tiny-qwen3_5-vlm
     ddpatch verify patched/ --target /models/Qwen3.6-27B --draft /models/Qwen3.6-27B-DFlash --device-map auto --dtype bfloat16
+    ddpatch verify patched/ --target /models/Qwen3.6-27B --scripted-draft    # prove the rollback before any drafter exists
     """
-    options = _verify_options(presets, target, draft, device_map, dtype, attn_implementation, trust_remote_code, seeds, prompts, max_new_tokens, block_size, tree_budgets)
+    options = _verify_options(presets, target, draft, scripted_draft, device_map, dtype, attn_implementation, trust_remote_code, seeds, prompts, max_new_tokens, block_size, tree_budgets)
+    if (top_p is not None or top_k is not None) and not temperature:
+        raise Failure("--top-p and --top-k need --temperature > 0")
+    options.update(temperature=temperature, top_p=top_p, top_k=top_k, sampling_runs=sampling_runs, default_init=default_init or None,
+                   logit_tolerance=logit_tolerance)
     sys.exit(_verify_and_report(path, fmt, timeout, options))
 
 
@@ -441,7 +580,7 @@ def vendored_root() -> Path:
 @click.option("--no-verify", is_flag=True, help="Only patch and show the diff.")
 @verify_options
 @friendly
-def demo(upstream, out, no_verify, presets, target, draft, device_map, dtype, attn_implementation, trust_remote_code, seeds, prompts, max_new_tokens, block_size, tree_budgets, timeout) -> None:
+def demo(upstream, out, no_verify, presets, target, draft, scripted_draft, device_map, dtype, attn_implementation, trust_remote_code, seeds, prompts, max_new_tokens, block_size, tree_budgets, timeout) -> None:
     """The main job on the embedded default: patch the built-in upstream-shaped code, show the diff, verify it."""
     import tempfile
 
@@ -450,7 +589,7 @@ def demo(upstream, out, no_verify, presets, target, draft, device_map, dtype, at
 
     source = vendored_root() / upstream
     with tempfile.TemporaryDirectory(prefix="ddpatch-demo-") as tmp:
-        dest = _prepare_out(source, out or Path(tmp) / upstream, force=False)
+        dest = _prepare_out(source, out or Path(tmp) / upstream, force=False, hint="give --out a new or empty folder")
         report = _run("qwen3_6-gdn", dest, None, None, None, 1)
         write_report(report, dest)
         print_summary(report, "apply")
@@ -463,7 +602,7 @@ def demo(upstream, out, no_verify, presets, target, draft, device_map, dtype, at
             sys.exit(EXIT_ERROR)
         if no_verify:
             return
-        options = _verify_options(presets, target, draft, device_map, dtype, attn_implementation, trust_remote_code, seeds, prompts, max_new_tokens, block_size, tree_budgets)
+        options = _verify_options(presets, target, draft, scripted_draft, device_map, dtype, attn_implementation, trust_remote_code, seeds, prompts, max_new_tokens, block_size, tree_budgets)
         code = _verify_and_report(dest, "text", timeout, options)
     sys.exit(code)
 
@@ -474,7 +613,14 @@ def demo(upstream, out, no_verify, presets, target, draft, device_map, dtype, at
 @FORMAT
 @friendly
 def revert(path: Path, force: bool, fmt: str) -> None:
-    """Undo the latest in-place `ddpatch apply` on PATH, byte for byte."""
+    """Undo the latest in-place `ddpatch apply` on PATH, byte for byte (contents and modes).
+
+    A file edited since the apply is left alone (and nothing is restored) unless --force.
+    The journals are kept outside the tree under $DDPATCH_HOME (default ~/.cache/ddpatch).
+
+    Exit 0: restored; 2: nothing recorded for PATH, a file changed since, or bad input
+    (one `ddpatch: error:` line on stderr).
+    """
     from . import journal
     from .report import print_json
 

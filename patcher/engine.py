@@ -11,6 +11,7 @@ Nothing is written here; ``write_report`` does that, atomically.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import fnmatch
 import os
 import re
@@ -44,6 +45,9 @@ SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".tox", ".my
 _DEF = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+([A-Za-z_]\w*)", re.M)
 _PROVENANCE = re.compile(r"^# ddpatch: recipe (?P<recipe>\S+) v(?P<version>\d+), ddpatch (?P<ddpatch>\S+); steps: (?P<steps>.*)$")
 _STATUS_ORDER = {NO_MATCH: 0, APPLIED: 1, ALREADY_APPLIED: 2, FIXED_UPSTREAM: 3}
+#: Statuses the CLI gives after the engine has run: ``pending`` is an ``applied`` site that was not
+#: written (check, diff, a blocked apply); ``skipped`` is a site or anchor in a file that was skipped.
+PENDING, SKIPPED = "pending", "skipped"
 
 
 class EngineError(Exception):
@@ -60,10 +64,15 @@ class FileResult:
     functions: dict[str, int] = field(default_factory=dict)  # name -> line
     needs_runtime: bool = False
     error: str | None = None
+    encoding: str = "utf-8"  # the file's own (PEP 263 cookie or BOM: "utf-8-sig"); kept when written
 
     @property
     def changed(self) -> bool:
         return self.patched is not None and self.patched != self.original
+
+    def encoded(self) -> bytes:
+        """The patched text as the bytes to write, in the file's own encoding."""
+        return (self.patched or "").encode(self.encoding)
 
 
 @dataclass
@@ -222,13 +231,31 @@ def defined_functions(text: str) -> dict[str, int]:
 
 # ----------------------------------------------------------------------------- stage 3+4: parse and transform
 def read_source(path: Path) -> str:
-    data = path.read_bytes()
+    return decode_source(path.read_bytes())[0]
+
+
+def decode_source(data: bytes) -> tuple[str, str]:
+    """The text of a Python file and its encoding, as Python reads it (PEP 263).
+
+    The encoding is that of the ``coding:`` cookie, or ``utf-8-sig`` when the file starts
+    with a BOM (the BOM is not part of the text, and is written back), else UTF-8.
+    """
+    import io
+    import tokenize
+
     if b"\x00" in data[:8192]:
         raise ValueError("binary file")
     try:
-        return data.decode("utf-8")
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except SyntaxError as exc:
+        if "invalid or missing encoding" not in str(exc):  # an unknown codec, or a cookie that contradicts the BOM
+            raise ValueError(f"bad coding declaration ({exc})") from None
+        encoding = "utf-8"  # no cookie, and the first lines are not UTF-8: said below
+    try:
+        return data.decode(encoding), encoding
     except UnicodeDecodeError as exc:
-        raise ValueError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+        name = "UTF-8" if encoding in ("utf-8", "utf-8-sig") else f"{encoding} as declared"
+        raise ValueError(f"not {name} ({exc.reason} at byte {exc.start})") from None
 
 
 def _composite(steps):
@@ -360,10 +387,10 @@ def process_file(root: Path, path: Path, steps: list[tuple[StepSpec, type]], rec
 
     rel = path.relative_to(root).as_posix() if path != root else path.name
     try:
-        text = read_source(path)
+        text, encoding = decode_source(path.read_bytes())
     except (OSError, ValueError) as exc:
         return FileResult(rel, None, error=f"cannot read: {exc}")
-    result = FileResult(rel, text, functions=defined_functions(text))
+    result = FileResult(rel, text, functions=defined_functions(text), encoding=encoding)
     active = prefilter_tree(text, prefilter(text, steps))
     if not active:
         return result
@@ -387,6 +414,10 @@ def process_file(root: Path, path: Path, steps: list[tuple[StepSpec, type]], rec
     applied = {s.step for s in sites if s.status == APPLIED}
     if applied:
         result.patched = write_provenance(new, recorded | applied, recipe)
+        try:
+            result.encoded()
+        except UnicodeEncodeError as exc:
+            result.patched, result.error = None, f"cannot write: the patched text is not {encoding} ({exc.reason})"
     return result
 
 
@@ -408,17 +439,27 @@ def provenance_line(recipe: Recipe, steps: Iterable[str]) -> str:
     return f"# ddpatch: recipe {recipe.name} v{recipe.version}, ddpatch {__version__}; steps: {', '.join(sorted(steps))}"
 
 
+def newline_of(text: str) -> str:
+    """The file's own line ending (that of its first line), so that lines ddpatch adds match it."""
+    end = text.find("\n")
+    if end > 0 and text[end - 1] == "\r":
+        return "\r\n"
+    if end < 0 and "\r" in text:
+        return "\r"
+    return "\n"
+
+
 def write_provenance(text: str, steps: set[str], recipe: Recipe) -> str:
-    line = provenance_line(recipe, steps)
+    line = provenance_line(recipe, steps) + newline_of(text)
     lines = text.splitlines(keepends=True)
     for i, old in enumerate(lines[:3]):
         if _PROVENANCE.match(old.rstrip("\r\n")):
-            lines[i] = line + "\n"
+            lines[i] = line
             return "".join(lines)
     at = 0
     while at < len(lines) and at < 2 and (lines[at].startswith("#!") or re.match(r"^#.*coding[:=]", lines[at])):
         at += 1
-    lines.insert(at, line + "\n")
+    lines.insert(at, line)
     return "".join(lines)
 
 
@@ -452,29 +493,103 @@ def classify(recipe: Recipe, upstream: str | None, files: list[FileResult], text
     for f in files:
         for name, line in f.functions.items():
             defined.setdefault(name, (f.path, line))
+    where: dict[str, list[str]] = {}
+    for f in files:
+        for name in f.functions:
+            where.setdefault(name, []).append(f.path)
+    calls = _CallGraph(where, texts)
     results = []
     for spec in recipe.steps:
         if not spec.applies_to(upstream):
             continue
         sites = sorted((s for f in files for s in f.sites if s.step == spec.id), key=lambda s: (s.path, s.line))
         anchors = []
-        for fn in spec.anchors.get(upstream, ()) if upstream else ():
-            in_fn = [s for s in sites if s.function == fn]
+        step_anchors = spec.anchors.get(upstream, ()) if upstream else ()
+        for fn in step_anchors:
             if fn not in defined:
                 anchors.append(AnchorResult(fn, NO_MATCH, f"function `{fn}` is not defined anywhere in the tree"))
                 continue
+            # the anchor and the tree's own helpers it calls (other anchors of the step answer for themselves)
+            helpers = calls.reach(fn, stop=set(step_anchors))
+            in_fn = [s for s in sites if s.function == fn or s.function in helpers]
             path, line = defined[fn]
             if in_fn:
-                best = min(in_fn, key=lambda s: _STATUS_ORDER[s.status])
-                anchors.append(AnchorResult(fn, best.status, best.message, best.path, best.line))
+                best = min(in_fn, key=lambda s: (_STATUS_ORDER[s.status], s.function != fn))
+                via = f" (in `{best.function}`, which `{fn}` calls)" if best.function != fn else ""
+                anchors.append(AnchorResult(fn, best.status, best.message + via, best.path, best.line))
                 continue
-            reason = _evidence(spec, fn, texts.get(path))
+            reason = None
+            for name in [fn, *helpers]:
+                reason = reason or _evidence(spec, name, texts.get(defined[name][0]))
             if reason:
                 anchors.append(AnchorResult(fn, FIXED_UPSTREAM, reason, path, line))
             else:
                 anchors.append(AnchorResult(fn, NO_MATCH, f"`{fn}` has no site for this step", path, line))
         results.append(StepResult(spec, _aggregate(anchors, sites), anchors, sites))
     return results
+
+
+class _CallGraph:
+    """Which of the tree's own functions a function calls, by name, read with the stdlib ``ast`` on demand.
+
+    A call counts when it is a plain name (``_decode(...)``), a method of the same object
+    (``self._decode(...)``), or a function of a module the file imports (``utils._crop(...)``),
+    and a function of that name is defined in the tree.
+    """
+
+    def __init__(self, where: dict[str, list[str]], texts: dict[str, str]) -> None:
+        self.where = where
+        self.texts = texts
+        self._trees: dict[str, ast.Module | None] = {}
+        self._calls: dict[str, set[str]] = {}
+
+    def _tree(self, path: str):
+        if path not in self._trees:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    self._trees[path] = ast.parse(self.texts.get(path) or "")
+            except (SyntaxError, ValueError, RecursionError):
+                self._trees[path] = None
+        return self._trees[path]
+
+    def calls(self, name: str) -> set[str]:
+        if name in self._calls:
+            return self._calls[name]
+        out: set[str] = set()
+        for path in self.where.get(name, ()):
+            tree = self._tree(path)
+            if tree is None:
+                continue
+            modules = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            modules |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+                    for call in ast.walk(node):
+                        if not isinstance(call, ast.Call):
+                            continue
+                        func = call.func
+                        if isinstance(func, ast.Name):
+                            out.add(func.id)
+                        elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+                            if func.value.id in ("self", "cls") or func.value.id in modules:
+                                out.add(func.attr)
+                    for inner in ast.walk(node):  # nested functions belong to it
+                        if inner is not node and isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                            out.add(inner.name)
+        self._calls[name] = {c for c in out if c in self.where and c != name}
+        return self._calls[name]
+
+    def reach(self, name: str, stop: set[str]) -> list[str]:
+        """Functions of the tree reached from ``name`` through calls, not passing through ``stop``."""
+        seen, order, queue = {name}, [], [name]
+        while queue:
+            for called in sorted(self.calls(queue.pop(0))):
+                if called not in seen and called not in stop:
+                    seen.add(called)
+                    order.append(called)
+                    queue.append(called)
+        return order
 
 
 def _aggregate(anchors: list[AnchorResult], sites: list[Site]) -> str:
@@ -535,20 +650,36 @@ def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: in
     if upstream is not None and upstream not in recipe.upstreams:
         raise EngineError(f"unknown upstream {upstream!r} for recipe {recipe.name}; known: {', '.join(recipe.upstreams)}")
     defined = set()
+    scans = [re.compile(cls.TREE_TRIGGER) for cls in CODEMODS.values() if cls.TREE_TRIGGER]
+    scanned: dict[str, str] = {}  # texts some step's tree scan wants
     for path in paths:
         try:
-            defined.update(defined_functions(path.read_text(encoding="utf-8", errors="replace")))
+            text = path.read_text(encoding="utf-8", errors="replace")
         except OSError:
-            pass
+            continue
+        defined.update(defined_functions(text))
+        if any(p.search(text) for p in scans):
+            scanned[path.relative_to(base).as_posix() if path != base else path.name] = text
     if upstream is None:
         upstream = recipe.detect_upstream(defined)
-    specs = [(spec, CODEMODS[spec.codemod]) for spec in recipe.steps if spec.applies_to(upstream)]
+    specs = [(tree_scan(spec, CODEMODS[spec.codemod], scanned), CODEMODS[spec.codemod]) for spec in recipe.steps if spec.applies_to(upstream)]
     files = _map_files(base, paths, specs, recipe, jobs, progress)
     files += add_runtime_files(base, files)
     texts = {f.path: f.original for f in files if f.original is not None}
     steps = classify(recipe, upstream, files, texts)
     missing = sorted(a for a in (recipe.upstreams[upstream].anchors if upstream else ()) if a not in defined)
-    return Report(recipe, root, upstream, files + skipped, steps, missing)
+    report = Report(recipe, root, upstream, files + skipped, steps, missing)
+    mark_skipped(report)
+    return report
+
+
+def tree_scan(spec: StepSpec, cls: type, scanned: dict[str, str]) -> StepSpec:
+    """``spec`` with the parameters its step derives from the whole tree (``Step.scan_tree``)."""
+    if not cls.TREE_TRIGGER:
+        return spec
+    pattern = re.compile(cls.TREE_TRIGGER)
+    extra = cls.scan_tree({p: t for p, t in scanned.items() if pattern.search(t)}, {**cls.PARAMS, **spec.params})
+    return dataclasses.replace(spec, params={**spec.params, **extra}) if extra else spec
 
 
 def _map_files(root: Path, paths: list[Path], specs, recipe: Recipe, jobs: int, progress=None) -> list[FileResult]:
@@ -569,18 +700,33 @@ def _map_files(root: Path, paths: list[Path], specs, recipe: Recipe, jobs: int, 
 
 
 # ----------------------------------------------------------------------------- writing
-def atomic_write(path: Path, text: str) -> None:
-    """Write via a temp file in the same folder and ``os.replace``: the file is whole-old or whole-new."""
+def new_file_mode() -> int:
+    """The mode ``open()`` gives a new file under the current umask (``mkstemp`` would give 0600)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def atomic_write(path: Path, data: str | bytes, mode: int | None = None) -> None:
+    """Write via a temp file in the same folder and ``os.replace``: the file is whole-old or whole-new.
+
+    ``data`` is bytes, or text written as UTF-8 with its newlines as they are. The file keeps
+    its mode; a new file gets ``mode``, or the mode the umask gives a new file.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    mode = path.stat().st_mode & 0o7777 if path.exists() else None
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    if path.exists():
+        mode = path.stat().st_mode & 0o7777
+    elif mode is None:
+        mode = new_file_mode()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".ddpatch-tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        if mode is not None:
-            os.chmod(tmp, mode)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -608,10 +754,61 @@ def refuse_unwritable(report: Report) -> None:
         reason = unwritable(base / f.path)
         if reason:
             f.patched, f.error = None, reason
-    wanted = {PurePosixPath(f.path).parent for f in report.changed if f.needs_runtime}
+    # a helper that only skipped files would import is not written; one that a file already patched
+    # (or about to be) imports is, so that a stale copy is refreshed
+    wanted = {PurePosixPath(f.path).parent for f in report.files if f.needs_runtime and not f.error}
     for f in report.changed:
         if PurePosixPath(f.path).name == RUNTIME_FILE and PurePosixPath(f.path).parent not in wanted:
             f.patched = None
+    mark_skipped(report)
+
+
+def mark_skipped(report: Report) -> None:
+    """Put the cause first: a site or anchor in a skipped file is ``skipped``, with the file's reason.
+
+    Without this, a file that cannot be read or parsed would show up as a ``no-match`` of
+    every step anchored in it, and a read-only file's sites as ``applied``. A step with a
+    skipped site or anchor is ``skipped``, unless it is also ``no-match`` elsewhere.
+    """
+    bad = {f.path: f.error for f in report.files if f.error}
+    if not bad:
+        return
+    base = report.root if report.root.is_dir() else report.root.parent
+    defined_in: dict[str, str] = {}  # function -> skipped file that defines it (read leniently)
+    for rel in bad:
+        path = base / rel
+        if path.is_symlink() or not path.is_file():
+            continue
+        try:
+            text = path.read_bytes().decode("utf-8", errors="replace")
+        except OSError:
+            continue
+        for name in defined_functions(text):
+            defined_in.setdefault(name, rel)
+    for step in report.steps:
+        for site in step.sites:
+            if site.path in bad and site.status in (APPLIED, PENDING):
+                site.status, site.message = SKIPPED, f"{site.path} skipped: {bad[site.path]}"
+        for a in step.anchors:
+            path = a.path if a.path in bad else defined_in.get(a.function) if a.path is None else None
+            if path is not None and a.status in (NO_MATCH, APPLIED, PENDING):
+                a.status, a.message, a.path = SKIPPED, f"not checked: {path} skipped: {bad[path]}", path
+        statuses = {a.status for a in step.anchors} | {s.status for s in step.sites}
+        if SKIPPED in statuses and NO_MATCH not in statuses:
+            step.status = SKIPPED
+
+
+def mark_pending(report: Report) -> None:
+    """Relabel ``applied`` as ``pending``: for a report whose changes were not written."""
+    for step in report.steps:
+        if step.status == APPLIED:
+            step.status = PENDING
+        for a in step.anchors:
+            if a.status == APPLIED:
+                a.status = PENDING
+        for site in step.sites:
+            if site.status == APPLIED:
+                site.status = PENDING
 
 
 def write_report(report: Report, dest_root: Path) -> list[str]:
@@ -619,7 +816,7 @@ def write_report(report: Report, dest_root: Path) -> list[str]:
     delay = float(os.environ.get("DDPATCH_TEST_WRITE_DELAY") or 0)  # lets a test kill a run between two files
     written = []
     for f in report.changed:
-        atomic_write(Path(dest_root if dest_root else base) / f.path, f.patched or "")
+        atomic_write(Path(dest_root if dest_root else base) / f.path, f.encoded())
         written.append(f.path)
         if delay:
             time.sleep(delay)

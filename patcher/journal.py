@@ -36,8 +36,8 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def record(root: Path, changes: dict[str, str | None], recipe: str) -> Path:
-    """Save the originals of ``changes`` (path -> new text; the originals are read from disk)."""
+def record(root: Path, changes: dict[str, bytes | str | None], recipe: str) -> Path:
+    """Save the originals of ``changes`` (path -> the bytes about to be written; the originals are read from disk)."""
     folder = _folder(root)
     folder.mkdir(parents=True, exist_ok=True)
     entries = []
@@ -49,7 +49,7 @@ def record(root: Path, changes: dict[str, str | None], recipe: str) -> Path:
                 "path": rel,
                 "original": None if original is None else base64.b64encode(original).decode(),
                 "mode": path.stat().st_mode & 0o7777 if path.exists() else None,
-                "patched_sha256": _sha((new_text or "").encode()),
+                "patched_sha256": _sha(new_text.encode("utf-8") if isinstance(new_text, str) else new_text or b""),
             }
         )
     stamp = time.strftime("%Y%m%dT%H%M%S") + f"-{time.time_ns() % 1_000_000:06d}"
@@ -73,7 +73,11 @@ def revert(root: Path, force: bool = False) -> list[str]:
     """
     journal = latest(root)
     if journal is None:
-        raise JournalError(f"no ddpatch apply is recorded for {root}")
+        raise JournalError(
+            f"no ddpatch apply is recorded for {root}; journals are kept under {home() / 'journals'} "
+            "(set by $DDPATCH_HOME), keyed by the tree's absolute path, so a tree moved or renamed since "
+            "the apply is not found there"
+        )
     payload = json.loads(journal.read_text())
     conflicts, restored = [], []
     for entry in payload["files"]:
@@ -96,7 +100,7 @@ def revert(root: Path, force: bool = False) -> list[str]:
             continue
         if path.exists() and path.read_bytes() == original:
             continue
-        atomic_write(path, original.decode("utf-8"))
+        atomic_write(path, original)
         if entry["mode"] is not None:
             os.chmod(path, entry["mode"])
         restored.append(entry["path"])

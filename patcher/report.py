@@ -8,9 +8,10 @@ import sys
 from typing import IO
 
 from .codemods.base import ALREADY_APPLIED, APPLIED, FIXED_UPSTREAM, NO_MATCH
-from .engine import FileResult, Report
+from .engine import PENDING, SKIPPED, FileResult, Report
 
-STATUS_STYLE = {APPLIED: "green", ALREADY_APPLIED: "cyan", FIXED_UPSTREAM: "blue", NO_MATCH: "bold red"}
+STATUS_STYLE = {APPLIED: "green", PENDING: "yellow", ALREADY_APPLIED: "cyan", FIXED_UPSTREAM: "blue", NO_MATCH: "bold red",
+                SKIPPED: "bold red"}
 
 
 def unified_diff(f: FileResult) -> str:
@@ -85,7 +86,12 @@ def _where(step) -> str:
         parts = []
         for a in step.anchors:
             loc = f"{a.path}:{a.line} " if a.path else ""
-            parts.append(f"{loc}{a.function}: {a.status}" + (f" ({a.message})" if a.status == NO_MATCH else ""))
+            parts.append(f"{loc}{a.function}: {a.status}" + (f" ({a.message})" if a.status in (NO_MATCH, SKIPPED) else ""))
+        shown = {a.path for a in step.anchors if a.status == SKIPPED}
+        for s in step.sites:  # a skipped file outside the anchors still shows, once
+            if s.status == SKIPPED and s.path not in shown:
+                shown.add(s.path)
+                parts.append(f"{s.path}:{s.line} {s.status} ({s.message})")
         return "\n".join(parts)
     return "\n".join(f"{s.path}:{s.line} {s.status}" for s in step.sites[:6]) or "no site"
 
@@ -101,7 +107,7 @@ def print_summary(report: Report, command: str, verbose: bool = False, color: st
     table.add_column("status")
     table.add_column("where")
     for step in report.steps:
-        table.add_row(step.spec.id, f"[{STATUS_STYLE[step.status]}]{step.status}[/]", _where(step))
+        table.add_row(step.spec.id, f"[{STATUS_STYLE.get(step.status, '')}]{step.status}[/]", _where(step))
     con.print(table)
     if verbose:
         for step in report.steps:
@@ -115,8 +121,16 @@ def print_summary(report: Report, command: str, verbose: bool = False, color: st
         )
     if report.missing_anchors:
         con.print(f"[yellow]expected but not found in the tree:[/] {', '.join(report.missing_anchors)}")
-    for f in report.skipped:
-        con.print(f"[red]skipped[/] {f.path}: {f.error}")
+    # skipped files are failures: the CLI prints one `ddpatch: error:` line each on stderr
+
+
+def error_lines(report: Report) -> list[str]:
+    """One line per failure in ``report``, cause first: skipped files, then steps that no longer match."""
+    out = [f"skipped {f.path}: {f.error}" for f in report.skipped]
+    for s in report.no_match:
+        reasons = "; ".join(a.message for a in s.anchors if a.status == NO_MATCH) or "nothing matched"
+        out.append(f"no-match {s.spec.id}: {reasons}")
+    return out
 
 
 def print_json(payload: dict, stream=None) -> None:

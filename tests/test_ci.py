@@ -110,11 +110,10 @@ def _target_cache(target):
     return DynamicCache(config=target.config)
 '''
 FIXED = HELPER + NEW_SIGNATURE.replace("    target_cache = DynamicCache()\n", "    target_cache = _target_cache(target)\n")
-# (6) the verify forward moves out of the decode loop into a helper: verify-forward no longer matches
+# (6) the verify forward moves out of the tree into an imported helper: verify-forward no longer matches
 VERIFY = '''
 
-def _verify(target, block, cache):
-    return target(block, past_key_values=cache, use_cache=True)
+from spec_kernels import verify as _verify  # a helper outside the tree: the verify call is no longer there to wrap
 '''
 BROKEN = VERIFY + FIXED.replace("        out = target(block, past_key_values=target_cache, use_cache=True)\n",
                                 "        out = _verify(target, block, target_cache)\n")
@@ -250,6 +249,7 @@ def test_renames_moves_and_signature_changes_are_not_changes(upstream, linear):
     assert where == ["model/dflash.py", "model.py", "benchmark.py", "benchmark.py"]
 
 
+@pytest.mark.slow
 def test_bisection_finds_what_a_linear_scan_finds(tmp_path):
     repo = tmp_path / "long"
     shas = make_repo(repo, HISTORY, fillers=2)
@@ -269,6 +269,7 @@ def test_bisection_finds_what_a_linear_scan_finds(tmp_path):
         assert statuses(ev) == statuses(everything.evals[sha])
 
 
+@pytest.mark.slow
 def test_merges_are_judged_against_the_real_parents(tmp_path):
     """A side branch with older code must not look like a change; a change on a merged branch is found there."""
     repo = tmp_path / "dag"
@@ -307,6 +308,49 @@ def test_merges_are_judged_against_the_real_parents(tmp_path):
         assert found == [("target-cache-config", "applied", "fixed-upstream", fix), ("verify-forward", "applied", "no-match", brk)], found
         assert result.first_change("verify-forward").previous.sha == git(repo, "rev-parse", f"{brk}^").strip()
         assert side in everything.evals and result.exit_code == 1
+
+
+@pytest.mark.slow
+def test_bisection_blames_the_break_in_effect_at_the_tip(tmp_path):
+    """Break, fix, break again: the change to blame is the second break, not the first (already undone)."""
+    good = MODEL_HEAD + GENERATE + DRAFT
+    bad = good.replace("noise_embedding=target.model.embed_tokens(block)", "noise_embedding=model.embed(block)")
+    history = [("baseline", {**HISTORY[0][1], "model/dflash.py": good}),
+               ("break: embed through the draft", {"model/dflash.py": bad}),
+               ("fix: embed through the target again", {"model/dflash.py": good}),
+               ("break again", {"model/dflash.py": bad})]
+    repo = tmp_path / "flaky"
+    shas = make_repo(repo, history, fillers=3)
+    everything = run_ci(RECIPE, repo, since=shas[0], bisect_threshold=None)
+    bisected = run_ci(RECIPE, repo, since=shas[0])
+    assert len(bisected.commits) == 13 > BISECT_THRESHOLD and bisected.bisected and len(bisected.evals) < 13
+    changes = [(f.before, f.after, f.commit.sha) for f in everything.findings if f.step == "input-embeddings"]
+    assert changes == [("applied", "no-match", shas[1]), ("no-match", "applied", shas[2]), ("applied", "no-match", shas[3])]
+    for result in (everything, bisected):
+        blamed = result.change_in_effect("input-embeddings")
+        assert (blamed.before, blamed.after, blamed.commit.sha) == ("applied", "no-match", shas[3])
+        assert result.exit_code == 1
+    sarif = json.loads(run("--recipe", "qwen3_6-gdn", "--repo", repo, "--since", shas[0], "--format", "sarif").output)
+    (res,) = [r for r in sarif["runs"][0]["results"] if r["ruleId"] == "input-embeddings"]
+    assert f"no-match since {shas[3][:7]}" in res["message"]["text"] and shas[1][:7] not in res["message"]["text"]
+
+
+@pytest.mark.parametrize("history", ["GGBBGGBB", "GBBBGGGBBBBB", "G" * 40 + "B" * 43, "B" * 30 + "G" * 9, "G" * 20, "GB",
+                                     "G" * 10 + "B" * 5 + "G" * 5 + "B" * 12])
+def test_transitions_find_the_change_in_effect_at_the_tip(history):
+    from patcher.ci import _transitions
+
+    seen = {0, len(history) - 1}
+
+    def status(i: int) -> str:
+        seen.add(i)
+        return history[i]
+
+    found = _transitions(len(history), status, lambda: set(seen))
+    assert all(b == a + 1 and history[a] != history[b] for a, b in found)
+    last = max((i for i in range(1, len(history)) if history[i] != history[i - 1]), default=None)
+    assert (found[-1][1] if found else None) == last
+    assert len(seen) <= 2 + 2 * len(history).bit_length() * (1 + len(found))
 
 
 # ----------------------------------------------------------------------------- the command line
@@ -419,7 +463,7 @@ def test_junit_parses_and_has_a_suite_per_commit_and_a_case_per_step(upstream, t
     last = suites[-1]
     failure = last.find("testcase[@name='verify-forward']/failure")
     assert failure is not None and failure.get("type") == "no-match" and "`dflash_generate` has no site" in failure.get("message")
-    assert "first change: applied -> no-match at " + shas[5] in failure.text
+    assert "in effect since: applied -> no-match at " + shas[5] in failure.text
     assert int(root.get("failures")) == 1 and int(root.get("tests")) == 3 * len(RECIPE.steps)
 
 
@@ -519,6 +563,7 @@ def test_print_workflow():
 
 
 # ----------------------------------------------------------------------------- --verify, once, on real decoding code
+@pytest.mark.slow
 def test_verify_on_a_patched_commit(tmp_path):
     files = {p.relative_to(ROOT / "vendored" / "dflash").as_posix(): p.read_text()
              for p in sorted((ROOT / "vendored" / "dflash").rglob("*")) if p.is_file() and "__pycache__" not in p.parts}

@@ -70,7 +70,7 @@ def test_recipes_list_and_show():
     assert shown.exit_code == 0
     for step in STEPS:
         assert step in shown.output
-    data = json.loads(run("recipes", "show", "qwen3_6-gdn", "--format", "json").output)
+    data = json.loads(run("recipes", "show", "qwen3_6-gdn", "--format", "json").stdout)
     assert [s["id"] for s in data["steps"]] == STEPS
     assert all(s["examples"] for s in data["steps"])
 
@@ -79,12 +79,12 @@ def test_check_then_apply_out_then_reapply(ddtree, tmp_path):
     before = snapshot(ddtree)
     check = run("check", ddtree, *RECIPE, "--format", "json")
     assert check.exit_code == 1  # changes pending
-    assert set(statuses(json.loads(check.output)).values()) == {"applied"}
+    assert set(statuses(json.loads(check.stdout)).values()) == {"pending"}, "check writes nothing: its sites are pending"
 
     out = tmp_path / "patched"
     applied = run("apply", ddtree, *RECIPE, "--out", out, "--format", "json")
     assert applied.exit_code == 0, applied.output
-    payload = json.loads(applied.output)
+    payload = json.loads(applied.stdout)
     assert statuses(payload) == {s: "applied" for s in STEPS}
     assert snapshot(ddtree) == before, "--out must leave the original untouched"
     assert (out / "_ddpatch_runtime.py").exists()
@@ -93,8 +93,8 @@ def test_check_then_apply_out_then_reapply(ddtree, tmp_path):
 
     again = run("apply", out, *RECIPE, "--format", "json")
     assert again.exit_code == 0
-    assert statuses(json.loads(again.output)) == {s: "already-applied" for s in STEPS}
-    assert json.loads(again.output)["written"] == []
+    assert statuses(json.loads(again.stdout)) == {s: "already-applied" for s in STEPS}
+    assert json.loads(again.stdout)["written"] == []
     assert run("check", out, *RECIPE).exit_code == 0
     empty = run("diff", out, *RECIPE)
     assert empty.exit_code == 0 and empty.output == ""
@@ -132,24 +132,24 @@ def test_diff_stat_json_and_plain(ddtree):
     assert "\x1b[" in colored.output
     stat = run("diff", ddtree, *RECIPE, "--stat")
     assert stat.exit_code == 1 and "files changed" in stat.output and "dflash.py" in stat.output
-    data = json.loads(run("diff", ddtree, *RECIPE, "--format", "json").output)
+    data = json.loads(run("diff", ddtree, *RECIPE, "--format", "json").stdout)
     assert data["exit_code"] == 1 and data["diff"].startswith("--- a/")
 
 
 def test_select_and_ignore(ddtree):
-    data = json.loads(run("check", ddtree, *RECIPE, "--select", "crop-compat", "--format", "json").output)
+    data = json.loads(run("check", ddtree, *RECIPE, "--select", "crop-compat", "--format", "json").stdout)
     assert list(statuses(data)) == ["crop-compat"]
-    data = json.loads(run("check", ddtree, *RECIPE, "--ignore", "verify-forward,tree-commit", "--format", "json").output)
+    data = json.loads(run("check", ddtree, *RECIPE, "--ignore", "verify-forward,tree-commit", "--format", "json").stdout)
     assert "verify-forward" not in statuses(data) and "tree-commit" not in statuses(data)
     bad = run("check", ddtree, *RECIPE, "--select", "nope")
     assert bad.exit_code == 2 and "unknown step" in bad.stderr
 
 
 def test_dflash_layout_is_detected_and_tree_steps_do_not_apply(dflash):
-    data = json.loads(run("check", dflash, *RECIPE, "--format", "json").output)
+    data = json.loads(run("check", dflash, *RECIPE, "--format", "json").stdout)
     assert data["upstream"] == "dflash"
     assert "tree-commit" not in statuses(data)
-    assert statuses(data)["target-cache-config"] == "applied"
+    assert statuses(data)["target-cache-config"] == "pending"
 
 
 def test_no_match_blocks_writes_and_exits_2(ddtree):
@@ -158,7 +158,7 @@ def test_no_match_blocks_writes_and_exits_2(ddtree):
     before = snapshot(ddtree)
     result = run("apply", ddtree, *RECIPE, "--format", "json")
     assert result.exit_code == 2
-    payload = json.loads(result.output)
+    payload = json.loads(result.stdout)
     assert statuses(payload)["tree-commit"] == "no-match"
     anchor = [a for s in payload["steps"] if s["id"] == "tree-commit" for a in s["anchors"]][0]
     assert "compact_dynamic_cache" in anchor["message"]
@@ -168,16 +168,29 @@ def test_no_match_blocks_writes_and_exits_2(ddtree):
     assert partial.exit_code == 2 and snapshot(ddtree) != before
 
 
-def test_unparseable_file_is_reported_and_skipped(ddtree):
-    broken = ddtree / "broken.py"
-    source = "from transformers import DynamicCache\ndef oops(target:\n    target(past_key_values=DynamicCache())\n"
+def test_unparseable_file_is_reported_as_the_cause_and_skipped(ddtree):
+    broken = ddtree / "dflash.py"  # the file the dflash_generate anchors live in
+    source = broken.read_text() + "\n\ndef oops(target:\n    pass\n"
     broken.write_text(source)
+    before = snapshot(ddtree)
     result = run("apply", ddtree, *RECIPE, "--format", "json")
     assert result.exit_code == 2
-    files = {f["path"]: f for f in json.loads(result.output)["files"]}
-    assert "cannot parse" in files["broken.py"]["error"]
+    payload = json.loads(result.stdout)
+    files = {f["path"]: f for f in payload["files"]}
+    assert "cannot parse" in files["dflash.py"]["error"]
+    assert snapshot(ddtree) == before, "a skipped file stops the run, as a no-match does"
+    # the cause first: the anchors in the broken file are not checked, not no-match
+    anchors = [a for s in payload["steps"] for a in s["anchors"] if a["path"] == "dflash.py"]
+    assert anchors and {a["status"] for a in anchors} == {"skipped"}
+    assert all("dflash.py skipped: cannot parse" in a["message"] for a in anchors)
+    assert "no-match" not in statuses(payload).values()
+    errors = result.stderr.strip().splitlines()
+    assert errors[0].startswith("ddpatch: error: skipped dflash.py: cannot parse")
+    assert not [line for line in errors if "no-match" in line]
+    partial = run("apply", ddtree, *RECIPE, "--allow-partial", "--format", "json")
+    assert partial.exit_code == 2
     assert broken.read_text() == source
-    assert "DynamicCache(config=target.config)" in (ddtree / "dflash.py").read_text()
+    assert "DynamicCache(config=target.config)" in (ddtree / "ddtree.py").read_text()
 
 
 @pytest.mark.parametrize(
@@ -262,12 +275,20 @@ def test_bad_file_is_one_line_skipped_and_the_rest_is_patched(kind, ddtree, tmp_
         assert diff.exit_code == 1 and not lines and f"+++ b/{bad.name}" in diff.output
     else:
         assert diff.exit_code == 2
-        assert len(lines) == 1 and lines[0].startswith(f"ddpatch: skipped {bad.name}: ") and BAD_KINDS[kind] in lines[0]
+        assert len(lines) == 1 and lines[0].startswith(f"ddpatch: error: skipped {bad.name}: ") and BAD_KINDS[kind] in lines[0]
 
-    applied = run("apply", ddtree, *RECIPE)
+    tree_before = snapshot(ddtree)
+    blocked = run("apply", ddtree, *RECIPE)
+    assert blocked.exit_code == 2
+    assert snapshot(ddtree) == tree_before, "nothing is written while a file is skipped"
+    lines = [line for line in blocked.stderr.splitlines() if bad.name in line]
+    assert len(lines) == 1 and lines[0].startswith(f"ddpatch: error: skipped {bad.name}: ") and BAD_KINDS[kind] in lines[0]
+    assert "--allow-partial" in blocked.stderr.splitlines()[-1]
+
+    applied = run("apply", ddtree, *RECIPE, "--allow-partial")
     assert applied.exit_code == 2
-    lines = [line for line in applied.output.splitlines() if bad.name in line]
-    assert len(lines) == 1 and lines[0].startswith("skipped") and BAD_KINDS[kind] in lines[0]
+    lines = [line for line in applied.stderr.splitlines() if bad.name in line]
+    assert len(lines) == 1 and lines[0].startswith(f"ddpatch: error: skipped {bad.name}: ") and BAD_KINDS[kind] in lines[0]
     assert "DynamicCache(config=target.config)" in (ddtree / "dflash.py").read_text(), "the rest of the tree is patched"
     assert target.read_bytes() == before and target.stat().st_mode == mode
     if kind == "outside-symlink":
@@ -278,8 +299,8 @@ def test_bad_file_is_one_line_skipped_and_the_rest_is_patched(kind, ddtree, tmp_
 def test_read_only_file_gets_no_runtime_helper_beside_it(ddtree):
     (ddtree / "model" / "dflash.py").chmod(0o444)
     before = (ddtree / "model" / "dflash.py").read_bytes()
-    result = run("apply", ddtree, *RECIPE)
-    assert result.exit_code == 2 and "model/dflash.py: read-only file" in result.output
+    result = run("apply", ddtree, *RECIPE, "--allow-partial")
+    assert result.exit_code == 2 and "ddpatch: error: skipped model/dflash.py: read-only file" in result.stderr
     assert (ddtree / "model" / "dflash.py").read_bytes() == before
     assert not (ddtree / "model" / "_ddpatch_runtime.py").exists()
     assert (ddtree / "_ddpatch_runtime.py").exists()
@@ -309,6 +330,7 @@ def test_symlink_inside_the_tree_is_left_to_its_target(ddtree):
     assert "DynamicCache(config=target.config)" in (ddtree / "alias.py").read_text()
 
 
+@pytest.mark.slow
 def test_killed_apply_leaves_whole_files_and_revert_restores_them(ddtree, tmp_path):
     before = snapshot(ddtree)
     expected = tmp_path / "expected"

@@ -87,7 +87,19 @@ TEMPLATES = {
     ),
     "crop-not-a-cache": "def {fn}({a}, {b}):\n    return {a}.crop({b}){note}\n",
     "crop-negative": "def {fn}(past_key_values, {k}):\n    past_key_values.crop(-{k})\n",
+    "crop-keyword-only": (
+        "def {fn}(*, past_key_values: DynamicCache, {k}: int = 0) -> None:{note}\n"
+        "    try:\n"
+        "        past_key_values.crop({k})\n"
+        "    except ValueError:\n"
+        "        raise\n"
+    ),
     "embed": "def {fn}(target, {a}):\n    {b} = target.model.embed_tokens({a}){note}\n    return {a}.get_input_embeddings()\n",
+    "embed-lambda-and-default": (
+        "def {fn}(target, {a}, {b}=None):\n"
+        "    embed = lambda {c}: target.model.embed_tokens({c}){note}\n"
+        "    return embed({a}) if {b} is None else {b}\n"
+    ),
     "embed-own": (
         "class {fn}:\n"
         "    def get_input_embeddings(self):\n"
@@ -97,6 +109,27 @@ TEMPLATES = {
     ),
     "timing": "def {fn}():\n    torch.cuda.synchronize(){note}\n    return time.perf_counter()\n",
     "timing-guarded": "def {fn}():\n    if torch.cuda.is_available():\n        torch.cuda.synchronize()\n    torch.xpu.synchronize()\n",
+    "timing-method": (
+        "class {fn}:\n"
+        "    @staticmethod\n"
+        "    def {a}() -> float:{note}\n"
+        "        torch.cuda.synchronize()\n"
+        "        return time.perf_counter()\n\n"
+        "    async def {b}(self):\n"
+        "        torch.cuda.synchronize()\n"
+    ),
+    "timing-nested": (
+        "def {fn}({a}):\n"
+        "    def {b}():\n"
+        "        torch.cuda.synchronize(){note}\n"
+        "    with torch.no_grad():\n"
+        "        return [{b}() for _ in range({a})]\n"
+    ),
+    "idioms-in-strings": (
+        "def {fn}():\n"
+        '    """torch.cuda.synchronize(); {a}.crop(3); target.model.embed_tokens; DynamicCache()"""\n'
+        "    return 'torch.cuda.synchronize()'  # torch.cuda.synchronize(){note}\n"
+    ),
     "flash-required": (
         "def {fn}(args):\n"
         "    {a}_flash_attn = {b}()\n"
@@ -120,9 +153,9 @@ TEMPLATES = {
 #: The templates about each codemod; a step's test always has one of them.
 OWN = {
     "target-cache-config": ["cache-owner", "cache-draft-with-target-config", "cache-local-class", "decode-loop"],
-    "use-accessor": ["embed", "embed-own"],
-    "crop-compat": ["decode-loop", "crop-not-a-cache", "crop-negative"],
-    "guard-call": ["timing", "timing-guarded"],
+    "use-accessor": ["embed", "embed-own", "embed-lambda-and-default"],
+    "crop-compat": ["decode-loop", "crop-not-a-cache", "crop-negative", "crop-keyword-only"],
+    "guard-call": ["timing", "timing-guarded", "timing-method", "timing-nested", "idioms-in-strings"],
     "attn-fallback": ["flash-required", "flash-user-choice"],
     "lazy-import": ["datasets-user"],
     "wrap-call": ["decode-loop", "cache-owner"],
@@ -134,7 +167,7 @@ OWN = {
 def filler(draw) -> Block:
     """Code no step is about."""
     fn, a, b = (draw(names) for _ in range(3))
-    kind = draw(st.sampled_from(["assign", "function", "decorated", "class", "comment"]))
+    kind = draw(st.sampled_from(["assign", "function", "decorated", "class", "comment", "async", "try", "string", "match"]))
     note = draw(comments)
     if kind == "assign":
         return Block(f"{fn} = {draw(st.integers(0, 99))}{note}\n")
@@ -144,6 +177,14 @@ def filler(draw) -> Block:
         return Block(f"@functools.lru_cache(maxsize=None)\n@{a}\ndef {fn}({b}):\n    return [{b} for {b} in range(2)]\n")
     if kind == "class":
         return Block(f"class {fn}({a}):\n    {b} = 1{note}\n\n    def {b}_(self):\n        return self.{b}\n")
+    if kind == "async":
+        return Block(f"async def {fn}({a}):\n    async with {a} as {b}:\n        return await {b}{note}\n")
+    if kind == "try":
+        return Block(f"try:\n    import flash_attn as {a}\nexcept ImportError:{note}\n    {a} = None\n")
+    if kind == "string":
+        return Block(f'{fn} = """\ntorch.cuda.synchronize()\n{a}.crop(1)\n"""\n')
+    if kind == "match":
+        return Block(f"def {fn}({a}):\n    match {a}:\n        case [{b}, *_]:\n            return {b}\n        case _:\n            return None\n")
     return Block(f"# {fn} {a}\n")
 
 

@@ -1,0 +1,246 @@
+"""Every failure is one ``ddpatch: error:`` line on stderr, with the cause first, and a JSON object with --format json."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from patcher.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+VENDORED = ROOT / "vendored"
+RECIPE = ["--recipe", "qwen3_6-gdn", "-j", "1"]
+TIMING = "import torch\n\n\ndef timed():\n    torch.cuda.synchronize()\n"
+
+
+@pytest.fixture(autouse=True)
+def _journal_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDPATCH_HOME", str(tmp_path / "home"))
+
+
+@pytest.fixture
+def ddtree(tmp_path) -> Path:
+    dest = tmp_path / "ddtree"
+    shutil.copytree(VENDORED / "ddtree", dest, ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def one_error_line(result, needle: str) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("ddpatch: error: ") and needle in lines[0], lines[0]
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------- usage errors
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["apply"], "Missing argument 'PATH'"),
+        (["apply", "x", "--bogus"], "No such option"),
+        (["frobnicate"], "No such command"),
+        (["check", "x", "--recipe", "qwen3_6-gdn", "--jobs", "many"], "'many' is not a valid integer"),
+        (["verify", "x", "--timeout", "0"], "--timeout"),
+        (["verify", "x", "--timeout", "-5"], "--timeout"),
+        (["verify", "x", "--tree-budgets", "4,0"], "--tree-budgets"),
+        (["verify", "x", "--tree-budgets", "4,x"], "--tree-budgets"),
+        (["verify", "x", "--tree-budgets", ","], "--tree-budgets"),
+        (["verify", "x", "--block-size", "1"], "--block-size"),
+        (["verify", "x", "--prompts", "0"], "--prompts"),
+        (["demo", "--block-size", "0"], "--block-size"),
+        (["demo", "--timeout", "-1"], "--timeout"),
+        (["ci", "--recipe", "qwen3_6-gdn", "--repo", ".", "--verify", "--tree-budgets", "0"], "--tree-budgets"),
+    ],
+)
+def test_usage_errors_are_one_ddpatch_error_line_and_exit_2(args, needle):
+    result = run(*args)
+    assert result.exit_code == 2
+    one_error_line(result, needle)
+    assert "Error:" not in result.stderr.replace("ddpatch: error:", "")
+
+
+def test_usage_error_from_a_real_process_says_ddpatch_error():
+    proc = subprocess.run([sys.executable, "-m", "patcher", "apply", "--bogus"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("ddpatch: error: ") and len(proc.stderr.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- a JSON object on every path
+@pytest.mark.parametrize(
+    "args,command,needle",
+    [
+        (["check", "/nonexistent/tree", "--recipe", "qwen3_6-gdn", "--format", "json"], "check", "path does not exist"),
+        (["apply", "--format", "json"], "apply", "Missing argument"),
+        (["diff", ".", "--recipe", "nope", "--format=json"], "diff", "unknown recipe"),
+        (["verify", "/nonexistent/tree", "--format", "json"], "verify", "not a directory"),
+        (["verify", ".", "--timeout", "0", "--format", "json"], "verify", "--timeout"),
+        (["ci", "--repo", ".", "--format", "json"], "ci", "--recipe is required"),
+    ],
+)
+def test_json_errors_print_one_object(args, command, needle):
+    result = run(*args)
+    assert result.exit_code == 2
+    payload = json.loads(result.stdout)
+    assert payload["command"] == command and needle in payload["error"] and payload["exit_code"] == 2
+    one_error_line(result, needle)
+
+
+def test_revert_with_nothing_recorded_says_where_journals_are_kept(tmp_path):
+    tree = tmp_path / "moved"
+    tree.mkdir()
+    result = run("revert", tree, "--format", "json")
+    assert result.exit_code == 2
+    payload = json.loads(result.stdout)
+    assert payload["command"] == "revert" and payload["exit_code"] == 2
+    home = str(tmp_path / "home" / "journals")
+    assert home in payload["error"] and "moved or renamed" in payload["error"]
+    one_error_line(result, home)
+
+
+def test_revert_after_the_tree_moved_says_where_journals_are_kept(tmp_path):
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "timing.py").write_text(TIMING)
+    assert run("apply", tree, *RECIPE, "--select", "cpu-safe-timing").exit_code == 0
+    moved = tmp_path / "elsewhere"
+    tree.rename(moved)
+    result = run("revert", moved)
+    assert result.exit_code == 2
+    one_error_line(result, str(tmp_path / "home" / "journals"))
+    moved.rename(tree)
+    assert run("revert", tree).exit_code == 0 and (tree / "timing.py").read_text() == TIMING
+
+
+def test_verify_timeout_prints_json_and_one_line(ddtree, tmp_path):
+    patched = tmp_path / "patched"
+    assert run("apply", ddtree, *RECIPE, "--out", patched).exit_code == 0
+    result = run("verify", patched, "--timeout", "0.05", "--format", "json")
+    assert result.exit_code == 2
+    payload = json.loads(result.stdout)
+    assert payload["command"] == "verify" and payload["passed"] is False and "error" in payload and payload["exit_code"] == 2
+    one_error_line(result, "")
+
+
+# ----------------------------------------------------------------------------- the cause first
+def test_a_tree_without_recipe_code_says_so_in_one_line(tmp_path):
+    tree = tmp_path / "other"
+    tree.mkdir()
+    (tree / "app.py").write_text("def main():\n    return 1\n")
+    for command in ("check", "diff", "apply"):
+        result = run(command, tree, *RECIPE)
+        assert result.exit_code == 2 and result.stdout == ""
+        one_error_line(result, "no code for recipe qwen3_6-gdn")
+    payload = json.loads(run("check", tree, *RECIPE, "--format", "json").stdout)
+    assert "no code for recipe" in payload["error"]
+
+
+def test_check_labels_sites_pending_and_apply_labels_them_applied(ddtree):
+    check = run("check", ddtree, *RECIPE)
+    assert check.exit_code == 1
+    table = check.stdout.split("\n", 1)[1]
+    assert "pending" in table and " applied" not in table, "an unpatched tree must not read as done"
+    data = json.loads(run("check", ddtree, *RECIPE, "--format", "json").stdout)
+    every = [s["status"] for s in data["steps"]] + [a["status"] for s in data["steps"] for a in s["anchors"]]
+    every += [site["status"] for s in data["steps"] for site in s["sites"]]
+    assert "pending" in every and "applied" not in every
+    applied = json.loads(run("apply", ddtree, *RECIPE, "--format", "json").stdout)
+    assert {s["status"] for s in applied["steps"]} == {"applied"}
+
+
+def test_a_blocked_apply_reports_its_sites_pending(ddtree):
+    source = (ddtree / "ddtree.py").read_text()
+    (ddtree / "ddtree.py").write_text(source.replace("def compact_dynamic_cache(", "def compact_cache_renamed("))
+    result = run("apply", ddtree, *RECIPE, "--format", "json")
+    assert result.exit_code == 2
+    statuses = {s["id"]: s["status"] for s in json.loads(result.stdout)["steps"]}
+    assert statuses["tree-commit"] == "no-match" and "applied" not in statuses.values() and "pending" in statuses.values()
+    lines = result.stderr.strip().splitlines()
+    assert all(line.startswith("ddpatch: error: ") for line in lines)
+    assert any("no-match tree-commit" in line for line in lines) and "--allow-partial" in lines[-1]
+
+
+def test_read_only_file_blocks_the_apply_and_its_sites_say_skipped(ddtree):
+    target = ddtree / "model" / "dflash.py"
+    target.chmod(0o444)
+    before = {p: p.read_bytes() for p in ddtree.rglob("*.py")}
+    result = run("apply", ddtree, *RECIPE, "--format", "json")
+    assert result.exit_code == 2
+    assert {p: p.read_bytes() for p in ddtree.rglob("*.py")} == before and not list(ddtree.rglob("_ddpatch_runtime.py"))
+    payload = json.loads(result.stdout)
+    sites = [site for s in payload["steps"] for site in s["sites"] if site["path"] == "model/dflash.py"]
+    assert sites and {site["status"] for site in sites} == {"skipped"}
+    assert all("read-only" in site["message"] for site in sites)
+    assert "applied" not in {s["status"] for s in payload["steps"]}
+    assert payload["written"] == []
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == "ddpatch: error: skipped model/dflash.py: read-only file; not patched (make it writable to patch it)"
+    text = run("apply", ddtree, *RECIPE)
+    assert "model/dflash.py" in text.stdout and "skipped" in text.stdout
+
+
+# ----------------------------------------------------------------------------- smaller promises
+def test_demo_does_not_suggest_an_option_it_lacks(tmp_path):
+    out = tmp_path / "occupied"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    result = run("demo", "--out", out, "--no-verify")
+    assert result.exit_code == 2
+    line = one_error_line(result, "not empty")
+    assert "--force" not in line and "--out" in line
+
+
+@pytest.mark.parametrize("command", ["apply", "revert", "check", "diff", "verify", "ci"])
+def test_help_states_the_exit_codes(command):
+    text = " ".join(run(command, "--help").output.split())
+    assert "Exit 0" in text or "exit status" in text.lower() or "Exit codes" in text
+    assert "2" in text
+
+
+def test_revert_force_restores_the_original_contents(ddtree):
+    original = {p.relative_to(ddtree): p.read_bytes() for p in ddtree.rglob("*") if p.is_file()}
+    assert run("apply", ddtree, *RECIPE).exit_code == 0
+    edited = ddtree / "dflash.py"
+    edited.write_text(edited.read_text() + "\n# my own change\n")
+    (ddtree / "_ddpatch_runtime.py").write_text("# edited helper\n")
+    refused = run("revert", ddtree)
+    assert refused.exit_code == 2 and "# my own change" in edited.read_text()
+    forced = run("revert", ddtree, "--force", "--format", "json")
+    assert forced.exit_code == 0
+    assert "dflash.py" in json.loads(forced.stdout)["restored"]
+    now = {p.relative_to(ddtree): p.read_bytes() for p in ddtree.rglob("*") if p.is_file()}
+    assert now == original, "--force puts back the original bytes, and removes the files apply created"
+
+
+def test_a_stale_runtime_copy_is_refreshed(ddtree):
+    from patcher.engine import _runtime_source
+
+    assert run("apply", ddtree, *RECIPE).exit_code == 0
+    helper = ddtree / "_ddpatch_runtime.py"
+    current = helper.read_text()
+    assert current == _runtime_source()
+    stale = current.replace("def crop_cache(", "def crop_cache_old(")
+    helper.write_text(stale)
+    patched = {p: p.read_bytes() for p in ddtree.rglob("*.py") if p.name != "_ddpatch_runtime.py"}
+    check = run("check", ddtree, *RECIPE, "--format", "json")
+    assert check.exit_code == 1
+    assert [f["path"] for f in json.loads(check.stdout)["files"] if f["changed"]] == ["_ddpatch_runtime.py"]
+    again = run("apply", ddtree, *RECIPE, "--format", "json")
+    assert again.exit_code == 0 and json.loads(again.stdout)["written"] == ["_ddpatch_runtime.py"]
+    assert helper.read_text() == current
+    assert {p: p.read_bytes() for p in ddtree.rglob("*.py") if p.name != "_ddpatch_runtime.py"} == patched
+    assert run("check", ddtree, *RECIPE).exit_code == 0
+
+
+def test_bare_ddpatch_shows_the_help_not_an_error():
+    result = run()
+    assert "Usage: " in result.output and "ddpatch: error" not in result.output
