@@ -326,7 +326,11 @@ def test_wrappers_pass_through_in_other_threads():
         results = []
         capture = rt._FastCapture("chain", 4, 4)
         with rt._fast_kernels_for([(0, gdn[0])]), rt._fast_capturing(capture):
-            worker = threading.Thread(target=lambda: results.append(m(ids).logits))
+            def plain_forward():
+                with torch.inference_mode():  # a thread does not inherit the mode; decoders run under it
+                    results.append(m(ids).logits)
+
+            worker = threading.Thread(target=plain_forward)
             worker.start()
             worker.join()
         assert capture.conv_calls == capture.kernel_calls == 0
