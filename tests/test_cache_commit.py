@@ -33,7 +33,9 @@ def state(cache):
     for i, layer in enumerate(cache.layers):
         if hasattr(layer, "recurrent_states"):
             kernel = layer.conv_kernel_size[0]
-            out += [(f"L{i}.conv", layer.conv_states[0][..., -kernel:]), (f"L{i}.recurrent", layer.recurrent_states[0])]
+            out.append((f"L{i}.conv", layer.conv_states[0][..., -kernel:]))
+            if layer.recurrent_states[0] is not None:  # a short-conv layer (LFM2) has none
+                out.append((f"L{i}.recurrent", layer.recurrent_states[0]))
         else:
             out += [(f"L{i}.keys", layer.keys), (f"L{i}.values", layer.values)]
     return out
@@ -106,6 +108,9 @@ MATRIX = [("tiny-qwen3_5", cut, rp) for cut in CUTS for rp in (False, True)] + [
     (name, cut, rp)
     for name in ("tiny-qwen3_5-vlm", "tiny-qwen3-next")
     for cut, rp in ((helper_remove, True), (legacy_length, False), (layer_by_layer, True))
+] + [
+    # the mechanism is the cache's, not Gated DeltaNet's: a Mamba2 and a short-conv target too
+    (name, native_count, True) for name in ("tiny-nemotron-h", "tiny-lfm2")
 ]
 
 
