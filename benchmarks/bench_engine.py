@@ -3,7 +3,7 @@
 Not a test: for each tree it runs, in the same process and one after the other,
 
 * ``ddpatch diff --recipe qwen3_6-gdn TREE -j JOBS``, and
-* ``python -m libcst.tool codemod -x patcher.codemods.libcst_recipe.QwenRecipe --no-format -u 3 -j JOBS TREE``:
+* ``python -m libcst.tool codemod -x patcher.engine.codemods.libcst_recipe.QwenRecipe --no-format -u 3 -j JOBS TREE``:
   every step of the recipe as a LibCST codemod, in recipe order, the way LibCST's tool runs
   codemods (no prefilter; each step copies the tree, computes its metadata, traverses).
 
@@ -36,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "qwen3_6-gdn"
-COMMAND = "patcher.codemods.libcst_recipe.QwenRecipe"
+COMMAND = "patcher.engine.codemods.libcst_recipe.QwenRecipe"
 
 
 def tree_rss_kb(pid: int) -> int:

@@ -92,7 +92,7 @@ ATOMIC_BODY = '''    path.parent.mkdir(parents=True, exist_ok=True)
 
 MUTANTS = [
     # ------------------------------------------------------------------ the write path
-    Mutant("W1", "write", "patcher/engine.py", ATOMIC_BODY,
+    Mutant("W1", "write", "patcher/engine/files.py", ATOMIC_BODY,
            '''    path.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(data, str):
         data = data.encode("utf-8")
@@ -101,70 +101,70 @@ MUTANTS = [
         handle.write(data[: len(data) // 2])
         handle.write(data[len(data) // 2:])
 ''', "not atomic: writes the file in place in two halves, and drops its mode"),
-    Mutant("W2", "write", "patcher/engine.py", ATOMIC_BODY,
+    Mutant("W2", "write", "patcher/engine/files.py", ATOMIC_BODY,
            '''    path.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(data, str):
         data = data.encode("utf-8")
     with open(path, "wb") as handle:
         handle.write(data)
 ''', "not atomic: truncates and writes the file in place (mode kept)"),
-    Mutant("W3", "write", "patcher/engine.py",
+    Mutant("W3", "write", "patcher/engine/files.py",
            "    if path.exists():\n        mode = path.stat().st_mode & 0o7777\n    elif mode is None:\n",
            "    if mode is None:\n", "an existing file's mode is not kept"),
-    Mutant("W4", "write", "patcher/engine.py", "    return 0o666 & ~mask\n", "    return 0o600\n",
+    Mutant("W4", "write", "patcher/engine/files.py", "    return 0o666 & ~mask\n", "    return 0o600\n",
            "new files get mkstemp's 0600"),
-    Mutant("W5", "write", "patcher/engine.py", "        os.chmod(tmp, mode)\n", "",
+    Mutant("W5", "write", "patcher/engine/files.py", "        os.chmod(tmp, mode)\n", "",
            "no chmod at all: every written file ends 0600"),
-    Mutant("W6", "write", "patcher/engine.py", "        Path(tmp).unlink(missing_ok=True)\n        raise\n", "        raise\n",
+    Mutant("W6", "write", "patcher/engine/files.py", "        Path(tmp).unlink(missing_ok=True)\n        raise\n", "        raise\n",
            "a failed write leaves its temp file in the tree"),
-    Mutant("W7", "write", "patcher/engine.py", "            os.fsync(handle.fileno())\n", "",
+    Mutant("W7", "write", "patcher/engine/files.py", "            os.fsync(handle.fileno())\n", "",
            "no fsync before the rename",
            equivalent="durability across a power cut: no test can cut the power; the data and the rename are the same"),
-    Mutant("W8", "write", "patcher/engine.py", "        return (self.patched or \"\").encode(self.encoding)\n",
+    Mutant("W8", "write", "patcher/results.py", "        return (self.patched or \"\").encode(self.encoding)\n",
            "        return (self.patched or \"\").encode(\"utf-8\")\n", "patched text always written as UTF-8 (cookie ignored)"),
-    Mutant("W9", "write", "patcher/engine.py", "    line = provenance_line(recipe, steps) + newline_of(text)\n",
+    Mutant("W9", "write", "patcher/engine/files.py", "    line = provenance_line(recipe, steps) + newline_of(text)\n",
            "    line = provenance_line(recipe, steps) + \"\\n\"\n", "the provenance line always ends in LF"),
-    Mutant("W10", "write", "patcher/engine.py", "        return data.decode(encoding), encoding\n",
+    Mutant("W10", "write", "patcher/engine/files.py", "        return data.decode(encoding), encoding\n",
            "        return data.decode(encoding), \"utf-8\" if encoding == \"utf-8-sig\" else encoding\n",
            "a UTF-8 BOM is dropped on write"),
-    Mutant("W11", "write", "patcher/engine.py", "        reason = unwritable(base / f.path)\n", "        reason = None\n",
+    Mutant("W11", "write", "patcher/engine/write.py", "        reason = unwritable(base / f.path)\n", "        reason = None\n",
            "read-only files are not refused"),
-    Mutant("W12", "write", "patcher/cli.py", "    blocked = bool(report.no_match or report.skipped) and not allow_partial\n",
+    Mutant("W12", "write", "patcher/api.py", "    blocked = bool(report.no_match or report.skipped) and not allow_partial\n",
            "    blocked = bool(report.no_match) and not allow_partial\n", "a skipped file does not stop the write"),
-    Mutant("W13", "write", "patcher/journal.py", "        if current is not None and _sha(current) != entry[\"patched_sha256\"] and not force:\n",
+    Mutant("W13", "write", "patcher/engine/journal.py", "        if current is not None and _sha(current) != entry[\"patched_sha256\"] and not force:\n",
            "        if False:\n", "revert overwrites files edited since the apply"),
-    Mutant("W14", "write", "patcher/journal.py", "        atomic_write(path, original)\n", "        atomic_write(path, original.decode(\"utf-8\", \"replace\"))\n",
+    Mutant("W14", "write", "patcher/engine/journal.py", "        atomic_write(path, original)\n", "        atomic_write(path, original.decode(\"utf-8\", \"replace\"))\n",
            "revert restores text, not the original bytes"),
-    Mutant("W15", "write", "patcher/engine.py",
+    Mutant("W15", "write", "patcher/engine/write.py",
            "    wanted = {PurePosixPath(f.path).parent for f in report.files if f.needs_runtime and not f.error}\n",
            "    wanted = {PurePosixPath(f.path).parent for f in report.changed if f.needs_runtime}\n",
            "a stale runtime copy is not refreshed when nothing else changes"),
     # ------------------------------------------------------------------ status classification
-    Mutant("C1", "classify", "patcher/engine.py", "    if not statuses or NO_MATCH in statuses:\n        return NO_MATCH\n",
+    Mutant("C1", "classify", "patcher/engine/classify.py", "    if not statuses or NO_MATCH in statuses:\n        return NO_MATCH\n",
            "    if not statuses:\n        return NO_MATCH\n", "a no-match anchor does not make its step no-match"),
-    Mutant("C2", "classify", "patcher/engine.py", "    for status in (APPLIED, ALREADY_APPLIED, FIXED_UPSTREAM):\n",
+    Mutant("C2", "classify", "patcher/engine/classify.py", "    for status in (APPLIED, ALREADY_APPLIED, FIXED_UPSTREAM):\n",
            "    for status in (FIXED_UPSTREAM, ALREADY_APPLIED, APPLIED):\n", "a step's status prefers fixed-upstream over applied"),
-    Mutant("C3", "classify", "patcher/engine.py",
+    Mutant("C3", "classify", "patcher/engine/pipeline.py",
            "            site.status = ALREADY_APPLIED if site.step in recorded else FIXED_UPSTREAM\n",
            "            site.status = ALREADY_APPLIED\n", "output form without provenance is called already-applied"),
-    Mutant("C4", "classify", "patcher/engine.py",
+    Mutant("C4", "classify", "patcher/engine/pipeline.py",
            "            site.status = ALREADY_APPLIED if site.step in recorded else FIXED_UPSTREAM\n",
            "            site.status = FIXED_UPSTREAM\n", "ddpatch's own output is called fixed-upstream"),
-    Mutant("C5", "classify", "patcher/engine.py",
+    Mutant("C5", "classify", "patcher/engine/classify.py",
            "                anchors.append(AnchorResult(fn, NO_MATCH, f\"function `{fn}` is not defined anywhere in the tree\"))\n",
            "                pass\n", "an anchor function that is gone is not reported"),
-    Mutant("C6", "classify", "patcher/engine.py",
+    Mutant("C6", "classify", "patcher/engine/classify.py",
            "                anchors.append(AnchorResult(fn, NO_MATCH, f\"`{fn}` has no site for this step\", path, line))\n",
            "                anchors.append(AnchorResult(fn, FIXED_UPSTREAM, f\"`{fn}` has no site for this step\", path, line))\n",
            "an anchor without a site is a false green (fixed-upstream)"),
-    Mutant("C7", "classify", "patcher/engine.py", "    for line in text.splitlines()[:3]:\n", "    for line in text.splitlines()[:1]:\n",
+    Mutant("C7", "classify", "patcher/engine/files.py", "    for line in text.splitlines()[:3]:\n", "    for line in text.splitlines()[:1]:\n",
            "provenance after a shebang or coding cookie is not read"),
-    Mutant("C8", "classify", "patcher/engine.py", "    report = Report(recipe, root, upstream, files + skipped, steps, missing)\n    mark_skipped(report)\n",
+    Mutant("C8", "classify", "patcher/engine/pipeline.py", "    report = Report(recipe, root, upstream, files + skipped, steps, missing)\n    mark_skipped(report)\n",
            "    report = Report(recipe, root, upstream, files + skipped, steps, missing)\n",
            "an unparseable file shows as no-match of every step anchored in it (cause not first)"),
-    Mutant("C9", "classify", "patcher/engine.py", "        if step.status == APPLIED:\n            step.status = PENDING\n",
+    Mutant("C9", "classify", "patcher/engine/classify.py", "        if step.status == APPLIED:\n            step.status = PENDING\n",
            "        if False:\n            step.status = PENDING\n", "check reports pending steps as applied"),
-    Mutant("C10", "classify", "patcher/engine.py", "        if SKIPPED in statuses and NO_MATCH not in statuses:\n",
+    Mutant("C10", "classify", "patcher/engine/classify.py", "        if SKIPPED in statuses and NO_MATCH not in statuses:\n",
            "        if False:\n", "a step with sites in a skipped file keeps its applied/no-match status"),
     # ------------------------------------------------------------------ crop semantics (runtime.crop_cache's contract)
     Mutant("R1", "crop", "patcher/runtime.py", "    new_len = length if length >= 0 else current + length\n",
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
               and (not args.only or m.id in {x.strip() for x in args.only.split(",")})]
     if args.list:
         for m in chosen:
-            print(f"{m.id:<4} {m.group:<9} {m.path:<20} {m.what}")
+            print(f"{m.id:<4} {m.group:<9} {m.path:<27} {m.what}")
         return 0
     results = []
     with tempfile.TemporaryDirectory(prefix="ddpatch-mutants-") as tmp:

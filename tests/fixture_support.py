@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from patcher.codemods import CODEMODS
-from patcher.codemods.base import ALREADY_APPLIED, FIXED_UPSTREAM, PATCHED
-from patcher.engine import read_provenance, transform_source
-from patcher.recipe import StepSpec
+from patcher.engine.codemods import CODEMODS
+from patcher.engine.codemods.base import ALREADY_APPLIED, FIXED_UPSTREAM, PATCHED
+from patcher.engine.files import read_provenance
+from patcher.engine.pipeline import transform_source
+from patcher.engine.recipe import StepSpec
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

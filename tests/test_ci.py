@@ -18,9 +18,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from patcher.ci import BISECT_THRESHOLD, CIError, run_ci, update_lock_text, workflow_template
+from patcher.ci.history import BISECT_THRESHOLD, run_ci
+from patcher.ci.lock import update_lock_text
+from patcher.ci.workflow import workflow_template
+from patcher.errors import CIError
 from patcher.cli import main
-from patcher.recipe import load_recipe
+from patcher.engine.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = load_recipe("qwen3_6-gdn")
@@ -338,7 +341,7 @@ def test_bisection_blames_the_break_in_effect_at_the_tip(tmp_path):
 @pytest.mark.parametrize("history", ["GGBBGGBB", "GBBBGGGBBBBB", "G" * 40 + "B" * 43, "B" * 30 + "G" * 9, "G" * 20, "GB",
                                      "G" * 10 + "B" * 5 + "G" * 5 + "B" * 12])
 def test_transitions_find_the_change_in_effect_at_the_tip(history):
-    from patcher.ci import _transitions
+    from patcher.ci.history import _transitions
 
     seen = {0, len(history) - 1}
 

@@ -381,8 +381,8 @@ def test_progress_bar_only_on_a_terminal_and_for_many_files(monkeypatch):
 
 
 def test_run_recipe_reports_progress(ddtree):
-    from patcher.engine import run_recipe
-    from patcher.recipe import load_recipe
+    from patcher.engine.pipeline import run_recipe
+    from patcher.engine.recipe import load_recipe
 
     calls = []
     report = run_recipe(load_recipe("qwen3_6-gdn"), ddtree, jobs=2, progress=lambda done, total: calls.append((done, total)))
@@ -395,10 +395,10 @@ def test_libcst_tool_command_runs_the_same_steps():
     import libcst as cst
     from libcst.codemod import CodemodContext
 
-    from patcher.codemods import CODEMODS
-    from patcher.codemods.libcst_recipe import QwenRecipe
-    from patcher.engine import transform_source
-    from patcher.recipe import load_recipe
+    from patcher.engine.codemods import CODEMODS
+    from patcher.engine.codemods.libcst_recipe import QwenRecipe
+    from patcher.engine.pipeline import transform_source
+    from patcher.engine.recipe import load_recipe
 
     path = VENDORED / "ddtree" / "dflash.py"
     text = path.read_text()

@@ -11,8 +11,8 @@ import ast
 
 import pytest
 
-from patcher.codemods import CODEMODS
-from patcher.codemods.base import ALREADY_APPLIED, APPLIED, FIXED_UPSTREAM
+from patcher.engine.codemods import CODEMODS
+from patcher.engine.codemods.base import ALREADY_APPLIED, APPLIED, FIXED_UPSTREAM
 from fixture_support import cases, expected_statuses, params_of, run_codemod, statuses
 
 CASES = cases()

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from patcher.codemods import CODEMODS
-from patcher.engine import discover, prefilter, prefilter_tree, read_source, run_recipe, transform_source
-from patcher.recipe import load_recipe
+from patcher.engine.codemods import CODEMODS
+from patcher.engine.files import read_source
+from patcher.engine.pipeline import discover, prefilter, prefilter_tree, run_recipe, transform_source
+from patcher.engine.recipe import load_recipe
 
 pytestmark = pytest.mark.slow
 

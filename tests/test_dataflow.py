@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from patcher.engine import run_recipe
-from patcher.recipe import load_recipe
+from patcher.engine.pipeline import run_recipe
+from patcher.engine.recipe import load_recipe
 
 RECIPE = load_recipe("qwen3_6-gdn")
 

@@ -222,7 +222,7 @@ def test_revert_force_restores_the_original_contents(ddtree):
 
 
 def test_a_stale_runtime_copy_is_refreshed(ddtree):
-    from patcher.engine import _runtime_source
+    from patcher.engine.files import _runtime_source
 
     assert run("apply", ddtree, *RECIPE).exit_code == 0
     helper = ddtree / "_ddpatch_runtime.py"

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from patcher import runtime
-from patcher.presets import PRESETS, build_target
+from patcher.verify.presets import PRESETS, build_target
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,7 +94,7 @@ def test_a_layer_whose_state_several_modules_update_is_one_clear_error():
     # Qwen4-Exp with per-layer n-gram embeddings: the GDN mixer and the PLE modules share layer 0's state slots
     from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
-    from patcher import presets
+    from patcher.verify import presets
 
     fields = dict(presets._text_fields(["linear_attention", "indexed_attention"] * 2), eos_token_id=62)
     model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(
@@ -332,7 +332,7 @@ def test_verify_refuses_what_cannot_be_served_in_one_line(tmp_path):
 
 # ----------------------------------------------------------------------------- recipes name what they are verified on
 def test_the_recipe_names_each_verified_and_refused_model_type_with_its_preset():
-    from patcher.recipe import load_recipe
+    from patcher.engine.recipe import load_recipe
 
     recipe = load_recipe("qwen3_6-gdn")
     assert set(SERVED) <= set(recipe.verified.values()) and set(REFUSED) == set(recipe.refused.values())

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from patcher import oracle
-from patcher.oracle import LogitsRecorder, chi_square_test, committed_rows, judge_logits, reference_logits
+from patcher.verify import oracle
+from patcher.verify.oracle import LogitsRecorder, chi_square_test, committed_rows, judge_logits, reference_logits
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE_ONLY = "verify-forward,tree-commit"
@@ -106,7 +106,8 @@ def decode(fns, kind: str, perturb_call: int | None = None, eps: float = 1e-5, s
     """Run the patched decoder on tiny-qwen3_5 with the scripted draft; optionally add ``eps`` noise to
     one GDN layer's recurrent state just before the ``perturb_call``-th target forward (so the
     snapshot the commit restores holds it too: the committed state itself is wrong)."""
-    from patcher.verify_worker import call_generate, greedy, load_preset
+    from patcher.verify.binding import call_generate
+    from patcher.verify.models import greedy, load_preset
 
     torch.set_num_threads(1)
     target, draft, mask = load_preset("tiny-qwen3_5", 0, fns["draft_cls"], 4)

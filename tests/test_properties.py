@@ -27,10 +27,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from patcher.codemods import CODEMODS
-from patcher.codemods.base import APPLIED, site_positions
-from patcher.engine import process_file, transform_source
-from patcher.recipe import load_recipe
+from patcher.engine.codemods import CODEMODS
+from patcher.engine.codemods.base import APPLIED, site_positions
+from patcher.engine.pipeline import process_file, transform_source
+from patcher.engine.recipe import load_recipe
 
 RECIPE = load_recipe("qwen3_6-gdn")
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])

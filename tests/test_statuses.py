@@ -14,8 +14,10 @@ import pytest
 from click.testing import CliRunner
 
 from patcher.cli import main
-from patcher.codemods.base import ALREADY_APPLIED, APPLIED, FIXED_UPSTREAM, NO_MATCH, Site
-from patcher.engine import PENDING, SKIPPED, AnchorResult, _aggregate, read_provenance
+from patcher.engine.codemods.base import ALREADY_APPLIED, APPLIED, FIXED_UPSTREAM, NO_MATCH, Site
+from patcher.engine.classify import _aggregate
+from patcher.engine.files import read_provenance
+from patcher.results import PENDING, SKIPPED, AnchorResult
 
 VENDORED = Path(__file__).resolve().parent.parent / "vendored"
 

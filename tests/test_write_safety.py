@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from patcher import engine
+from patcher.engine import files as engine
 from patcher.cli import main
-from patcher.engine import atomic_write, decode_source, newline_of, write_provenance
+from patcher.engine.files import atomic_write, decode_source, newline_of, write_provenance
 
 TIMING = "import torch\n\n\ndef timed():\n    torch.cuda.synchronize()\n"
 GUARD = "    if torch.cuda.is_available():\n        torch.cuda.synchronize()\n"
@@ -165,7 +165,7 @@ def test_new_files_get_the_umask_mode_not_0600(tmp_path, umask):
 
 
 def test_the_runtime_helper_of_an_apply_is_importable_by_others(tmp_path):
-    from patcher.engine import RUNTIME_FILE
+    from patcher.engine.files import RUNTIME_FILE
 
     tree = tmp_path / "tree"
     (tree / "model").mkdir(parents=True)
@@ -267,7 +267,7 @@ def test_newline_of(text, newline):
 
 
 def test_provenance_goes_after_shebang_and_cookie_with_the_files_newline():
-    from patcher.recipe import load_recipe
+    from patcher.engine.recipe import load_recipe
 
     recipe = load_recipe("qwen3_6-gdn")
     text = "#!/usr/bin/env python\r\n# -*- coding: latin-1 -*-\r\nx = 1\r\n"

@@ -1,6 +1,6 @@
 """Recipes are data: a TOML file naming the upstreams it is for and an ordered list of steps.
 
-Each step names a codemod (a class in ``patcher.codemods``), its parameters, and the
+Each step names a codemod (a class in ``patcher.engine.codemods``), its parameters, and the
 functions it is anchored to in each upstream layout. Adding a recipe for the next
 architecture means writing a TOML file, not engine code.
 """
@@ -13,9 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-
-class RecipeError(ValueError):
-    pass
+from ..errors import RecipeError
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Iterator
 
 import libcst as cst
 
-from .base import RUNTIME_MODULE, ast_dotted, ast_nodes, dotted, keyword
+from .base import RUNTIME_MODULE, dotted, keyword
 
 TARGET = "target"
 DRAFTER = "drafter"
@@ -475,69 +475,3 @@ def _block(node) -> list:
 
 def _looks_like_cache_call(node: cst.BaseExpression) -> bool:
     return isinstance(node, cst.Call) and (dotted(node.func) or "").split(".")[-1].endswith("Cache")
-
-
-def may_have_roles(tree) -> bool:
-    """Whether a stdlib ``ast`` module could hold a drafter or a target (the steps' ``may_match``).
-
-    A call with ``target_hidden=``, a call through the runtime, or a function calling two
-    different models with ``past_key_values=`` (a drafter fed another model's features).
-    """
-    import ast
-
-    for call in ast_nodes(tree, ast.Call):
-        if any(k.arg == "target_hidden" for k in call.keywords):
-            return True
-        func = call.func
-        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == RUNTIME_MODULE:
-            return True
-    for fn in ast_nodes(tree, ast.FunctionDef, ast.AsyncFunctionDef):
-        calls = [c for c in ast.walk(fn) if isinstance(c, ast.Call) and any(k.arg == "past_key_values" for k in c.keywords)]
-        calls = [c for c in calls if (ast_dotted(c.func) or "self").split(".")[0] not in ("self", "cls")]
-        callees = {ast_dotted(c.func) for c in calls} - {None}
-        if len(callees) < 2:
-            continue
-        assigned: dict[str, list] = {}
-        for node in ast.walk(fn):
-            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.value is not None:
-                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                    name = ast_dotted(target)
-                    if name:
-                        assigned.setdefault(name, []).append(node.value)
-        for call in calls:
-            callee = ast_dotted(call.func)
-            if callee and any(_ast_fed(arg, callee, callees, assigned, 6, set()) for arg in
-                              [*call.args, *(k.value for k in call.keywords if k.arg != "past_key_values")]):
-                return True
-    return False
-
-
-def _ast_fed(expr, callee: str, models: set, assigned: dict, depth: int, seen: set) -> bool:
-    """``ModuleFlow._fed_features`` on the stdlib ``ast``, for the prefilter (it may say True more often)."""
-    import ast
-
-    others = models - {callee}
-    stack = [expr]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.Attribute) and node.attr == "embed_tokens":
-            if (ast_dotted(node.value) or ".").split(".")[0] in others:
-                return True
-        if isinstance(node, ast.Attribute) and node.attr == "hidden_states":
-            base = ast_dotted(node.value)
-            producers = {ast_dotted(v.func) for v in assigned.get(base, []) if isinstance(v, ast.Call)}
-            if producers & others:
-                return True
-        if isinstance(node, ast.Call):
-            func = node.func
-            if isinstance(func, ast.Attribute) and func.attr == "get_input_embeddings":
-                if (ast_dotted(func.value) or ".").split(".")[0] in others:
-                    return True
-            if ast_dotted(func) in models:
-                continue  # another model's output is not what it was fed
-        if isinstance(node, ast.Name) and depth and node.id in assigned and node.id not in seen:
-            seen.add(node.id)
-            if any(_ast_fed(v, callee, models, assigned, depth - 1, seen) for v in assigned[node.id]):
-                return True
-        stack.extend(ast.iter_child_nodes(node))
-    return False

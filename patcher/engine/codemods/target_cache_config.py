@@ -6,7 +6,7 @@ slots; a bare ``DynamicCache()`` fails in ``get_conv_state`` with an IndexError.
 The config must be that of the model that *owns* the cache: a draft cache given the
 target's config breaks (``LinearAttentionLayer`` has no ``update``).
 
-Ownership follows data flow (``patcher/codemods/flow.py``), never names: a cache
+Ownership follows data flow (``patcher/engine/codemods/flow.py``), never names: a cache
 belongs to the model whose call receives it as ``past_key_values=``, across the module's
 own helpers (a cache built in a factory function is judged at every call of the
 factory). ``DynamicCache`` is matched by qualified name, so aliases and
@@ -41,7 +41,8 @@ import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
 from .base import APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, Step, code, dotted, keyword
-from .flow import ROLE_TRIGGER, may_have_roles, DRAFT_CACHE, DRAFTER, TARGET, TARGET_CACHE, Fn, ModuleFlow, is_role
+from .flow import ROLE_TRIGGER, DRAFT_CACHE, DRAFTER, TARGET, TARGET_CACHE, Fn, ModuleFlow, is_role
+from .flow_prefilter import may_have_roles
 
 CACHE_CLASSES = ("transformers.DynamicCache", "transformers.cache_utils.DynamicCache")
 

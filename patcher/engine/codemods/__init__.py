@@ -1,4 +1,6 @@
-"""The codemod steps recipes are built from: one small, general, parametrised transform per module."""
+"""codemods: the steps recipes are built from, one small, general, parametrised LibCST transform per module (``CODEMODS`` by id).
+May import: each other, patcher.results, libcst and the stdlib (libcst_recipe also the engine's recipe loader, for ``python -m libcst.tool``).
+"""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import argparse
 import ast
 import textwrap
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Sequence
 
 import libcst as cst
@@ -25,10 +25,8 @@ from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import PositionProvider
 from libcst.metadata.position_provider import PositionProvidingCodegenState
 
-APPLIED = "applied"
-ALREADY_APPLIED = "already-applied"
-FIXED_UPSTREAM = "fixed-upstream"
-NO_MATCH = "no-match"
+from ...results import ALREADY_APPLIED, APPLIED, FIXED_UPSTREAM, NO_MATCH, Site  # noqa: F401  (re-exported to the steps)
+
 #: A site whose code already has this step's output form; the engine decides whether
 #: ddpatch wrote it (already-applied) or upstream did (fixed-upstream).
 PATCHED = "patched"
@@ -49,29 +47,6 @@ class Example:
 
     def clean(self) -> "Example":
         return Example(textwrap.dedent(self.before).lstrip("\n"), textwrap.dedent(self.after).lstrip("\n"), self.note)
-
-
-@dataclass
-class Site:
-    status: str
-    line: int
-    column: int
-    function: str | None
-    message: str
-    step: str = ""
-    path: str = ""
-    #: The node, until the engine places the site (it computes positions only for a file with sites).
-    node: Any = field(default=None, repr=False, compare=False)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "status": self.status,
-            "path": self.path,
-            "line": self.line,
-            "column": self.column,
-            "function": self.function,
-            "message": self.message,
-        }
 
 
 class Step(VisitorBasedCodemodCommand):

@@ -7,7 +7,7 @@ no prefilter. benchmarks/bench_engine.py times it against ``ddpatch diff`` on th
 tree. Sites, statuses and the provenance line are ddpatch's, so the output differs from
 ``ddpatch diff`` by those lines only.
 
-    python -m libcst.tool codemod -x patcher.codemods.libcst_recipe.QwenRecipe --no-format -u 3 PATH
+    python -m libcst.tool codemod -x patcher.engine.codemods.libcst_recipe.QwenRecipe --no-format -u 3 PATH
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ import re
 import libcst as cst
 
 from .base import APPLIED, FIXED_UPSTREAM, PATCHED, Example, Step, is_runtime_call, runtime_call
-from .flow import ROLE_TRIGGER, may_have_roles, DRAFTER, TARGET, Fn, ModelCall, ModuleFlow, is_role
+from .flow import ROLE_TRIGGER, DRAFTER, TARGET, Fn, ModelCall, ModuleFlow, is_role
+from .flow_prefilter import may_have_roles
 
 _MASK_BUILDER = re.compile(r"sliding\w*mask|mask\w*sliding", re.I)
 _PER_TYPE = re.compile(r"attention_type|layer_type")  # also layer_types

@@ -16,11 +16,8 @@ import os
 import time
 from pathlib import Path
 
-from .engine import atomic_write
-
-
-class JournalError(Exception):
-    pass
+from ..errors import JournalError
+from .files import atomic_write
 
 
 def home() -> Path:

@@ -1,0 +1,229 @@
+"""The Python API: what each ``ddpatch`` command does, as a function that returns a plain result
+object (``patcher.results``). The CLI is a thin layer over it; so can a notebook or a CI script be.
+
+    from patcher import api
+    from patcher.report.diff import diff_text
+
+    report = api.check("upstream/", recipe="qwen3_6-gdn")   # a Report; nothing is written
+    print([(s.spec.id, s.status) for s in report.steps])
+    print(diff_text(report))
+    result = api.apply("upstream/", recipe="qwen3_6-gdn", out="patched/")
+    outcome = api.verify("patched/", presets=["tiny-qwen3_5"])
+    print(outcome.passed)
+
+Bad input raises one of ``INPUT_ERRORS`` with a one-line message; ``verify`` raises
+``VerifyError`` (bad input, a timeout) or ``VerifierCrash`` (ddpatch's own failure), never a
+verdict; a failed check is ``outcome.passed == False``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Iterable
+
+from .ci.history import BISECT_THRESHOLD, run_ci
+from .ci.hunks import HUNK_LINES
+from .ci.lock import apply_lock, default_lock_path
+from .ci.workflow import workflow_template
+from .engine.recipe import Recipe, builtin_recipes, load_recipe
+from .errors import INPUT_ERRORS, CIError, EngineError, JournalError, RecipeError, VerifierCrash, VerifyError
+from .results import ApplyResult, CIResult, Outcome, Report, StepDoc
+from .verify.presets import PRESETS
+from .verify.runner import DEFAULTS as VERIFY_DEFAULTS
+from .verify.runner import run_verify
+
+# The engine (and libcst) is imported by the functions that run it, so that importing this
+# module, and ``ddpatch --help`` above it, stays cheap.
+
+DEFAULT_RECIPE = "qwen3_6-gdn"
+
+__all__ = [
+    "BISECT_THRESHOLD", "CIError", "DEFAULT_RECIPE", "EngineError", "HUNK_LINES", "INPUT_ERRORS", "JournalError", "PRESETS",
+    "RecipeError", "VERIFY_DEFAULTS", "VerifierCrash", "VerifyError", "apply", "check", "ci", "diff", "patch_builtin",
+    "recipe_docs", "recipes", "revert", "run", "verify", "workflow_template",
+]
+
+
+# ----------------------------------------------------------------------------- recipes
+def recipes() -> list[Recipe]:
+    """The built-in recipes, by name."""
+    return [load_recipe(name) for name in sorted(builtin_recipes())]
+
+
+def recipe_docs(name: str) -> tuple[Recipe, list[StepDoc]]:
+    """A recipe and, per step, what its codemod matches and writes, with its examples."""
+    from .engine.codemods import CODEMODS
+
+    r = load_recipe(name)
+    docs = []
+    for s in r.steps:
+        cls = CODEMODS[s.codemod]
+        docs.append(StepDoc(s, cls.DESCRIPTION, {**cls.PARAMS, **s.params}, [e.clean() for e in cls.EXAMPLES]))
+    return r, docs
+
+
+def select_steps(recipe: Recipe, select: Iterable[str] | str | None = None, ignore: Iterable[str] | str | None = None) -> Recipe:
+    """``recipe`` with only the steps ``select`` names, less those ``ignore`` names (ids, or comma-separated)."""
+    ids = {s.id for s in recipe.steps}
+    chosen = list(recipe.steps)
+    for flag, value in (("--select", select), ("--ignore", ignore)):
+        if value:
+            names = {v.strip() for v in (value.split(",") if isinstance(value, str) else value) if v.strip()}
+            unknown = names - ids
+            if unknown:
+                raise RecipeError(f"{flag}: unknown step(s) {', '.join(sorted(unknown))}; known: {', '.join(s.id for s in recipe.steps)}")
+            chosen = [s for s in chosen if (s.id in names) == (flag == "--select")]
+    if not chosen:
+        raise RecipeError("no steps left to run after --select/--ignore")
+    return replace(recipe, steps=tuple(chosen))
+
+
+# ----------------------------------------------------------------------------- apply / diff / check
+def run(path: str | Path, recipe: str | Recipe = DEFAULT_RECIPE, select=None, ignore=None, upstream: str | None = None,
+        jobs: int = 0, progress: Callable[[int, int], None] | None = None) -> Report:
+    """Run a recipe over ``path`` and return its report; nothing is written. ``jobs=0``: one per CPU."""
+    from .engine.pipeline import run_recipe
+
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    recipe = select_steps(recipe, select, ignore)
+    return run_recipe(recipe, Path(path), upstream=upstream, jobs=jobs or os.cpu_count() or 1, progress=progress)
+
+
+def require_code(report: Report) -> None:
+    """A tree with none of the recipe's code is bad input: say so in one line."""
+    if report.upstream is not None or report.changed or report.skipped:
+        return
+    if any(site for step in report.steps for site in step.sites):
+        return
+    markers = "; ".join(f"{u.name}: {', '.join(u.markers)}" for u in report.recipe.upstreams.values())
+    raise EngineError(
+        f"no code for recipe {report.recipe.name} under {report.root}: no upstream layout detected (marker functions {markers}) "
+        "and no step found a site; pass --upstream NAME to check it as that layout"
+    )
+
+
+def check(path: str | Path, recipe: str | Recipe = DEFAULT_RECIPE, **options) -> Report:
+    """Each step's status; a site ``apply`` would rewrite is ``pending``. Nothing is written."""
+    from .engine.classify import mark_pending
+
+    report = run(path, recipe, **options)
+    require_code(report)
+    mark_pending(report)
+    return report
+
+
+def diff(path: str | Path, recipe: str | Recipe = DEFAULT_RECIPE, **options) -> Report:
+    """The report ``apply`` would write (``patcher.report.diff.diff_text`` gives its unified diff). Nothing is written."""
+    return check(path, recipe, **options)
+
+
+def apply(path: str | Path, recipe: str | Recipe = DEFAULT_RECIPE, out: str | Path | None = None, force: bool = False,
+          allow_partial: bool = False, **options) -> ApplyResult:
+    """Rewrite ``path`` in place (journalled, atomic), or a copy of it under ``out``.
+
+    A no-match step or a skipped file blocks every write unless ``allow_partial``; the
+    report's ``applied`` sites are then ``pending``.
+    """
+    from .engine import journal
+    from .engine.classify import mark_pending
+    from .engine.write import refuse_unwritable, write_report
+
+    report = run(path, recipe, **options)
+    require_code(report)
+    if out is None:
+        refuse_unwritable(report)  # a read-only file is skipped, like one that cannot be parsed
+    blocked = bool(report.no_match or report.skipped) and not allow_partial
+    written: list[str] = []
+    dest = None
+    if blocked:
+        mark_pending(report)
+    else:
+        base = report.root if report.root.is_dir() else report.root.parent
+        if out is not None:
+            dest = prepare_out(report.root, Path(out), force)
+        elif report.changed:
+            journal.record(base, {f.path: f.encoded() for f in report.changed}, report.recipe.label)
+        written = write_report(report, dest)
+    return ApplyResult(report, written, dest, blocked)
+
+
+def prepare_out(root: Path, out: Path, force: bool, hint: str = "use --force to write into it") -> Path:
+    """A copy of ``root`` at ``out`` (outside it; new or empty unless ``force``) to patch instead of ``root``."""
+    out = out.resolve()
+    if out == root or out.is_relative_to(root) and root.is_dir():
+        raise ValueError(f"--out {out} must be outside the tree being patched")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ValueError(f"--out {out} exists and is not empty ({hint})")
+    if root.is_dir():
+        shutil.copytree(root, out, symlinks=True, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".git", "__pycache__"))
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root, out / root.name)
+    return out
+
+
+def revert(path: str | Path, force: bool = False) -> list[str]:
+    """Undo the latest in-place apply on ``path``, byte for byte; returns the files restored."""
+    from .engine import journal
+
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"path does not exist: {path}")
+    return journal.revert(path.resolve(), force=force)
+
+
+def vendored_root() -> Path:
+    """The built-in upstream-shaped code (``vendored/``) of a source checkout."""
+    root = Path(__file__).resolve().parent.parent / "vendored"
+    if not root.is_dir():
+        raise ValueError("the built-in upstream-shaped code ships with the source checkout; install ddpatch with `pip install -e .` from a clone")
+    return root
+
+
+def patch_builtin(upstream: str, dest: Path) -> Report:
+    """Copy the built-in ``vendored/<upstream>`` tree to ``dest`` (new or empty) and patch it there."""
+    from .engine.write import write_report
+
+    source = vendored_root() / upstream
+    dest = prepare_out(source, Path(dest), force=False, hint="give --out a new or empty folder")
+    report = run(dest, DEFAULT_RECIPE, jobs=1)
+    write_report(report, dest)
+    return report
+
+
+# ----------------------------------------------------------------------------- verify
+def verify(path: str | Path, timeout: float = 600.0, progress: Callable[[dict], None] | None = None, **options) -> Outcome:
+    """Run the tree's own decoders in a child process and judge them (options: ``VERIFY_DEFAULTS`` keys,
+    ``target``/``draft`` folders, ``scripted_draft``, ``temperature``, ...)."""
+    return run_verify(Path(path), timeout=timeout, progress=progress, **options)
+
+
+# ----------------------------------------------------------------------------- ci
+def ci(recipe: str | Recipe, repo: str | Path, rev: str = "HEAD", since: str | None = None, upstream: str | None = None,
+       verify: dict | None = None, verify_timeout: float = 600.0, jobs: int = 1, all_commits: bool = False,
+       hunk_lines: int = HUNK_LINES, lock: str | Path | None = None, update_lock: bool = False,
+       progress: Callable[[str], None] | None = None) -> CIResult:
+    """Evaluate ``recipe`` on upstream commits and find where each step's status changed.
+
+    ``verify``: options for ``verify`` on each evaluated commit (None: no verify).
+    ``update_lock``: record a green tip in ``lock`` (default ``vendored/upstream.lock``).
+    """
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    lock_file = None
+    if update_lock:
+        lock_file = Path(lock or default_lock_path()).expanduser()
+        if not lock_file.is_file():
+            raise CIError(f"--lock {lock_file} does not exist")
+    if verify is not None:
+        unknown = [p for p in verify.get("presets") or () if p not in PRESETS]
+        if unknown:
+            raise CIError(f"--preset: unknown preset(s) {', '.join(unknown)}; known: {', '.join(sorted(PRESETS))}")
+    result = run_ci(recipe, repo, rev=rev, since=since, upstream=upstream, verify=verify, verify_timeout=verify_timeout,
+                    jobs=max(1, jobs), bisect_threshold=None if all_commits else BISECT_THRESHOLD, hunk_lines=hunk_lines,
+                    progress=progress)
+    if lock_file is not None:
+        apply_lock(result, lock_file)
+    return result

@@ -1,0 +1,3 @@
+"""ci: re-check a recipe over an upstream's git history (git, history, hunks), keep the lock file (lock), and the scheduled workflow (workflow).
+May import: patcher.engine, patcher.verify.runner, patcher.results, patcher.errors and the stdlib; never report, api or cli.
+"""

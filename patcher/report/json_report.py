@@ -1,0 +1,59 @@
+"""JSON for programs: every command's payload is its result object's plain data, with the command's
+name and exit code (``--format json`` prints one on every path, errors included)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..results import ApplyResult, CIResult, Outcome, Report, StepDoc
+
+
+def patch_payload(report: Report, command: str, code: int, **extra: Any) -> dict:
+    """apply / diff / check."""
+    return {"command": command, **report.as_dict(), "exit_code": code, **extra}
+
+
+def apply_payload(result: ApplyResult, code: int) -> dict:
+    return patch_payload(result.report, "apply", code, written=result.written, out=str(result.out) if result.out else None)
+
+
+def verify_payload(outcome: Outcome, code: int) -> dict:
+    return {"command": "verify", "passed": outcome.passed, "seconds": round(outcome.seconds, 2), **outcome.result, "exit_code": code}
+
+
+def error_payload(command: str | None, message: str, code: int, **extra: Any) -> dict:
+    """What a script gets on stdout when a command stops with an error."""
+    return {"command": command, **extra, "error": message, "exit_code": code}
+
+
+def revert_payload(root: str, restored: list[str], code: int) -> dict:
+    return {"command": "revert", "root": root, "restored": restored, "exit_code": code}
+
+
+def recipes_payload(recipes: list) -> dict:
+    return {"recipes": [{"name": r.name, "version": r.version, "description": r.description,
+                         "verified": r.verified, "refused": r.refused} for r in recipes]}
+
+
+def recipe_payload(recipe, docs: list[StepDoc]) -> dict:
+    steps = []
+    for d in docs:
+        s = d.spec
+        steps.append(
+            {
+                "id": s.id,
+                "codemod": s.codemod,
+                "description": d.description,
+                "why": s.why,
+                "params": d.params,
+                "anchors": {k: list(v) for k, v in s.anchors.items()},
+                "upstreams": list(s.upstreams),
+                "examples": [{"before": e.before, "after": e.after, "note": e.note} for e in d.examples],
+            }
+        )
+    return {"name": recipe.name, "version": recipe.version, "transformers": recipe.transformers, "steps": steps,
+            "verified": recipe.verified, "refused": recipe.refused}
+
+
+def ci_payload(result: CIResult) -> dict:
+    return result.as_dict()

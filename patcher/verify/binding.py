@@ -1,0 +1,126 @@
+"""Calling upstream's decoders: each parameter is bound to a role by its name, else its
+annotation, else its position in upstream's own signature."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from pathlib import Path
+
+#: What the verifier passes, by role, and the names forks give each role. A parameter is bound
+#: by its name, else by its annotation, else by its position in upstream's own signature.
+ROLE_NAMES = {
+    "draft": ("model", "draft", "draft_model", "drafter", "dflash_model", "spec_model", "assistant_model"),
+    "target": ("target", "target_model", "verifier", "base_model", "target_lm", "llm"),
+    "input_ids": ("input_ids", "ids", "prompt_ids", "prompt", "tokens", "input_tokens"),
+    "mask_token_id": ("mask_token_id", "mask_id", "mask_token"),
+    "max_new_tokens": ("max_new_tokens", "max_tokens", "new_tokens", "num_new_tokens", "max_gen_len"),
+    "block_size": ("block_size", "block_len", "block_length", "draft_length", "gamma"),
+    "stop_token_ids": ("stop_token_ids", "stop_ids", "stop_tokens", "eos_token_ids", "eos_ids"),
+    "temperature": ("temperature", "temp"),
+    "top_p": ("top_p",),
+    "top_k": ("top_k",),
+    "tree_budget": ("tree_budget", "budget", "node_budget", "tree_size", "num_tree_nodes"),
+    "return_stats": ("return_stats", "with_stats"),
+    "rejection_sampling": ("rejection_sampling",),
+}
+
+#: Upstream's positional orders: DDTree and DFlash before 2026-04, and DFlash's model.py since.
+UPSTREAM_ORDERS = (
+    ("draft", "target", "input_ids", "mask_token_id", "max_new_tokens", "block_size", "stop_token_ids", "temperature", "tree_budget"),
+    ("draft", "target", "input_ids", "max_new_tokens", "stop_token_ids", "temperature", "block_size", "mask_token_id", "return_stats"),
+)
+
+REQUIRED_ROLES = ("draft", "target", "input_ids", "max_new_tokens")
+
+
+class BindError(TypeError):
+    """The verifier cannot tell what one of the decoder's parameters means."""
+
+
+def _role_by_annotation(annotation) -> str | None:
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", repr(annotation))
+    if "Draft" in text or "DFlash" in text:
+        return "draft"
+    if "ForCausalLM" in text or "PreTrainedModel" in text:
+        return "target"
+    return None
+
+
+def bind_roles(fn) -> dict[str, str]:
+    """Parameter name -> role for ``fn``; raises BindError naming the parameter it cannot bind."""
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    except (TypeError, ValueError) as exc:
+        raise BindError(f"cannot read the signature of {getattr(fn, '__qualname__', fn)}: {exc}") from None
+    by_name = {alias: role for role, aliases in ROLE_NAMES.items() for alias in aliases}
+    roles: dict[str, str] = {}
+    for p in params:
+        role = by_name.get(p.name.lower())
+        if role is None and p.annotation is not inspect.Parameter.empty:
+            role = _role_by_annotation(p.annotation)
+        if role is not None and role not in roles.values():
+            roles[p.name] = role
+    # the rest by position: the upstream order that agrees best with what the names told
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    def agreement(order):
+        return sum(1 for i, p in enumerate(positional) if i < len(order) and roles.get(p.name) == order[i])
+
+    order = max(UPSTREAM_ORDERS, key=agreement)
+    for i, p in enumerate(positional):
+        if p.name not in roles and i < len(order) and order[i] not in roles.values():
+            roles[p.name] = order[i]
+    where = _where(fn)
+    for p in params:
+        if p.name not in roles and p.default is inspect.Parameter.empty:
+            raise BindError(
+                f"cannot call {getattr(fn, '__name__', fn)}{where}: its required parameter {p.name!r} has no known meaning "
+                f"(the verifier passes {', '.join(ROLE_NAMES)}; name it like upstream or give it a default)"
+            )
+    missing = [r for r in REQUIRED_ROLES if r not in roles.values()]
+    if missing:
+        raise BindError(f"cannot call {getattr(fn, '__name__', fn)}{where}: no parameter takes the {', '.join(missing)}")
+    return roles
+
+
+def unsupported_sampling(fn, sampling: dict | None) -> list[str]:
+    """The requested sampling options that ``fn`` has no parameter for."""
+    taken = set(bind_roles(fn).values())
+    return [k for k in ("temperature", "top_p", "top_k") if (sampling or {}).get(k) is not None and k not in taken]
+
+
+def _where(fn) -> str:
+    try:
+        return f" ({Path(inspect.getsourcefile(fn)).name}:{inspect.getsourcelines(fn)[1]})"
+    except (TypeError, OSError):
+        return ""
+
+
+def call_generate(fn, *, model, target, input_ids, mask_token_id, max_new_tokens, block_size, stop_token_ids,
+                  tree_budget=None, sampling: dict | None = None, strict: bool = True):
+    """Call a dflash_generate / ddtree_generate of any layout or fork, bound by its signature."""
+    values = dict(
+        draft=model, target=target, input_ids=input_ids, mask_token_id=mask_token_id, max_new_tokens=max_new_tokens,
+        block_size=block_size, stop_token_ids=stop_token_ids, temperature=0.0, tree_budget=tree_budget, return_stats=True,
+    )
+    for key, value in (sampling or {}).items():
+        if value is not None:
+            values[key] = value
+    roles = bind_roles(fn)
+    unsupported = unsupported_sampling(fn, sampling)
+    if unsupported and strict:
+        raise BindError(f"{getattr(fn, '__name__', fn)} takes no {', '.join(unsupported)} parameter")
+    kwargs = {name: values[role] for name, role in roles.items() if role in values and (values[role] is not None or role == "stop_token_ids")}
+    positional_only = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.POSITIONAL_ONLY]
+    args = [kwargs.pop(name) for name in positional_only if name in kwargs]
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    elapsed = time.perf_counter() - start
+    if hasattr(result, "output_ids"):
+        output_ids, n_in = result.output_ids, getattr(result, "num_input_tokens", input_ids.shape[1])
+        acceptance = list(getattr(result, "acceptance_lengths", []) or [])
+    else:
+        output_ids, n_in, acceptance = result, input_ids.shape[1], []
+    new = [int(t) for t in output_ids[0, n_in:].tolist()]
+    return new, [int(a) for a in acceptance], elapsed

@@ -1,0 +1,255 @@
+"""The checks on one model: the reference's own soundness, a warm-up, then per prompt and method
+token identity, the logits the decoder used against one from-scratch forward, acceptance
+lengths and speed; under sampling a distributional test of the second new token."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from . import oracle
+from .binding import call_generate, unsupported_sampling
+from .events import emit, error_summary
+from .models import greedy, multi_token_consistent
+
+
+@dataclass
+class MethodStats:
+    name: str
+    tokens: int = 0
+    seconds: float = 0.0
+    acceptance: list[int] = field(default_factory=list)
+    runs: list[dict] = field(default_factory=list)
+
+    def as_dict(self, baseline: "MethodStats | None") -> dict:
+        tps = self.tokens / self.seconds if self.seconds else 0.0
+        out = {
+            "method": self.name,
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 4),
+            "tokens_per_s": round(tps, 2),
+            "identical_runs": sum(r["verdict"]["identical"] for r in self.runs),
+            "runs": self.runs,
+        }
+        if self.acceptance:
+            hist: dict[int, int] = {}
+            for a in self.acceptance:
+                hist[a] = hist.get(a, 0) + 1
+            out["acceptance_mean"] = round(sum(self.acceptance) / len(self.acceptance), 3)
+            out["acceptance_histogram"] = {str(k): v for k, v in sorted(hist.items())}
+        if baseline is not None and baseline.seconds and self.seconds and baseline.tokens:
+            out["speedup"] = round((self.tokens / self.seconds) / (baseline.tokens / baseline.seconds), 3)
+        return out
+
+
+def sampling_of(cfg: dict) -> dict | None:
+    """The sampling options a run passes to the decoder, or None for greedy decoding."""
+    if not cfg.get("temperature"):
+        return None
+    return {"temperature": cfg["temperature"], "top_p": cfg.get("top_p"), "top_k": cfg.get("top_k")}
+
+
+def second_token_distribution(target, prompt, sampling: dict, max_first: int = 256, mass: float = 0.9999) -> dict[int, float]:
+    """Exact P(second new token) under the target's own sampling:
+    sum over the first token x0 of p(x0 | prompt) * p(x1 | prompt, x0)."""
+    import torch
+
+    with torch.inference_mode():
+        p0 = oracle.sampling_distribution(target(prompt, use_cache=False).logits[0, -1], **sampling)
+        probs, order = p0.sort(descending=True)
+        keep = int(min(max_first, int((probs.cumsum(0) < mass).sum()) + 1))
+        firsts, weights = order[:keep], probs[:keep] / probs[:keep].sum()
+        total = torch.zeros_like(p0)
+        for chunk in range(0, keep, 32):
+            xs = firsts[chunk : chunk + 32]
+            batch = torch.cat([prompt.expand(len(xs), -1), xs[:, None].to(prompt.device)], dim=1)
+            p1 = oracle.sampling_distribution(target(batch, use_cache=False).logits[:, -1], **sampling)
+            total += (weights[chunk : chunk + 32, None].to(p1.device) * p1).sum(0).to(total.device)
+    return {int(t): float(p) for t, p in enumerate(total.tolist()) if p > 0}
+
+
+def verify_model(label: str, cfg: dict, fns: dict, target, draft, mask_token_id, is_preset: bool, prompts,
+                 scripted: bool = False) -> dict:
+    import torch
+
+    ScriptedDraft, compare = oracle.ScriptedDraft, oracle.compare
+
+    checks: list[dict] = []
+    block_size = cfg["block_size"]
+    budgets = cfg["tree_budgets"]
+    stop_ids = cfg.get("stop_token_ids") or None
+    max_new = cfg["max_new_tokens"]
+    sampling = sampling_of(cfg)
+    dtype = str(target.dtype).replace("torch.", "")
+    tolerance = cfg.get("logit_tolerance") or oracle.LOGIT_TOLERANCE.get(dtype, oracle.LOGIT_TOLERANCE["float32"])
+    device = target.get_input_embeddings().weight.device
+    prompts = [p.to(device) for p in prompts]
+
+    # (d) the reference itself is sound on this transformers version
+    ref0 = greedy(target, prompts[0], min(max_new, 16), stop_ids or ())
+    nocache = greedy(target, prompts[0], min(max_new, 16), stop_ids or (), use_cache=False)
+    v = compare(nocache, ref0)
+    checks.append({"check": "cached greedy == no-cache greedy", "passed": v.identical, "evidence": v.describe()})
+    same, diff = multi_token_consistent(target, prompts[0], ref0[: min(6, len(ref0))] or [0])
+    checks.append(
+        {
+            "check": "multi-token forward == token-by-token",
+            "passed": same,
+            "evidence": f"argmax {'equal' if same else 'DIFFERS'}, max |logit diff| {diff:.2e}",
+        }
+    )
+
+    methods = [("dflash", fns.get("dflash_generate"), None)]
+    if fns.get("ddtree_generate") is not None:
+        methods += [(f"ddtree_tb{b}", fns["ddtree_generate"], b) for b in budgets]
+    methods = [m for m in methods if m[1] is not None]
+    if sampling:  # a decoder that cannot take the requested sampling options is not run (and says so)
+        skipped = [(name, unsupported_sampling(fn, sampling)) for name, fn, _ in methods]
+        skipped = [(name, keys) for name, keys in skipped if keys]
+        if skipped:
+            checks.append({"check": "sampling options", "passed": True, "evidence": "; ".join(
+                f"{name} not run: its decoder takes no {', '.join(keys)}" for name, keys in skipped)})
+            methods = [m for m in methods if m[0] not in dict(skipped)]
+
+    def run(name, fn, budget, prompt, reference, seed, max_new_tokens=max_new, logits=True):
+        """One decode; returns (new tokens, acceptance lengths, seconds, logits verdict or None)."""
+        hook = None
+        if is_preset or scripted:
+            script = ScriptedDraft(target, prompt[0].tolist() + reference, seed=seed, forbidden=[mask_token_id])
+            hook = script.attach(draft)
+        if sampling:
+            torch.manual_seed(10_000 + seed)
+        recorder = oracle.LogitsRecorder(target)
+        try:
+            with recorder if logits else contextlib.nullcontext():
+                new, acceptance, secs = call_generate(
+                    fn, model=draft, target=target, input_ids=prompt, mask_token_id=mask_token_id,
+                    max_new_tokens=max_new_tokens, block_size=block_size, stop_token_ids=stop_ids, tree_budget=budget,
+                    sampling=sampling,
+                )
+        finally:
+            if hook is not None:
+                hook.remove()
+        verdict = None
+        if logits:
+            final = prompt[0].tolist() + new
+            verdict = oracle.judge_logits(recorder.calls, final, oracle.reference_logits(target, final), prompt.shape[1], tolerance)
+        return new, acceptance, secs, verdict
+
+    # (b) warm-up
+    warm_ok, warm_error, warm_name = True, None, None
+    try:
+        for warm_name, fn, budget in methods:
+            run(warm_name, fn, budget, prompts[0][:, :4], greedy(target, prompts[0][:, :4], max_new, stop_ids or ()), seed=-1, logits=False)
+    except Exception as exc:  # the patched code failed to run at all
+        warm_ok, warm_error = False, error_summary(exc)
+    evidence = f"{warm_name}: {warm_error['error']}" if warm_error else "every method ran once"
+    checks.append({"check": "warms up", "passed": warm_ok, **(warm_error or {}), "evidence": evidence})
+    if not warm_ok:
+        return {"model": label, "checks": checks, "methods": []}
+
+    baseline = MethodStats("target greedy (block_size=1)" if not sampling else "target sampling (block_size=1)")
+    stats = {name: MethodStats(name) for name, _, _ in methods}
+    total = len(prompts) * (1 + len(methods))
+    done = 0
+    for p_index, prompt in enumerate(prompts):
+        reference = greedy(target, prompt, max_new, stop_ids or ())
+        seed = cfg["seeds"][p_index % len(cfg["seeds"])] * 1000 + p_index
+        if sampling:
+            torch.manual_seed(10_000 + seed)
+        new, _, secs = call_generate(
+            fns["dflash_generate"], model=draft, target=target, input_ids=prompt, mask_token_id=mask_token_id,
+            max_new_tokens=max_new, block_size=1, stop_token_ids=stop_ids, sampling=sampling, strict=False,
+        )
+        baseline.tokens += len(new)
+        baseline.seconds += secs
+        baseline.runs.append({"prompt": p_index, "verdict": compare(reference, new).as_dict() if not sampling else {"identical": True}})
+        done += 1
+        emit("progress", done=done, total=total, label=f"{label}: prompt {p_index + 1} baseline")
+        for name, fn, budget in methods:
+            try:
+                new, acceptance, secs, logits = run(name, fn, budget, prompt, reference, seed)
+            except Exception as exc:
+                err = error_summary(exc)
+                stats[name].runs.append({"prompt": p_index, "verdict": compare(reference, []).as_dict(), **err})
+                continue
+            st = stats[name]
+            st.tokens += len(new)
+            st.seconds += secs
+            st.acceptance += acceptance
+            if sampling:  # sampled tokens have no greedy reference: the logits oracle judges them
+                st.runs.append({"prompt": p_index, "verdict": {"identical": True}, "sampled": True, "logits": logits.as_dict(),
+                                "logits_description": logits.describe()})
+            else:
+                verdict = compare(reference, new)
+                st.runs.append({"prompt": p_index, "verdict": verdict.as_dict(), "description": verdict.describe(),
+                                "logits": logits.as_dict(), "logits_description": logits.describe()})
+            done += 1
+            emit("progress", done=done, total=total, label=f"{label}: prompt {p_index + 1} {name}")
+
+    distributions: dict[str, dict] = {}
+    if sampling and cfg.get("sampling_runs", 0) > 0:
+        prompt = prompts[0]
+        expected = second_token_distribution(target, prompt, {k: v for k, v in sampling.items() if v is not None})
+        reference = greedy(target, prompt, max(2, block_size), stop_ids or ())
+        for name, fn, budget in methods:
+            counts: dict[int, int] = {}
+            for i in range(cfg["sampling_runs"]):
+                new, *_ = run(name, fn, budget, prompt, reference, seed=50_000 + i, max_new_tokens=2, logits=False)
+                if len(new) > 1:
+                    counts[new[1]] = counts.get(new[1], 0) + 1
+            test = oracle.chi_square_test(counts, expected, alpha=cfg.get("alpha", 1e-3))
+            distributions[name] = test.as_dict()
+            emit("progress", done=done, total=total, label=f"{label}: {name} sampled {cfg['sampling_runs']} times")
+
+    for name, st in stats.items():
+        failed_runs = [r for r in st.runs if "error" in r]
+        if not sampling:
+            bad = [r for r in st.runs if not r["verdict"]["identical"]]
+            if bad:
+                first = bad[0]
+                evidence = f"{len(bad)}/{len(st.runs)} runs differ; prompt {first['prompt']}: " + (
+                    first.get("description") or first.get("error", "failed")
+                )
+            else:
+                evidence = f"{len(st.runs)}/{len(st.runs)} runs token-identical"
+            checks.append({"check": f"lossless: {name}", "passed": not bad and bool(st.runs), "evidence": evidence})
+        judged = [r for r in st.runs if "logits" in r]
+        over = [r for r in judged if not r["logits"]["passed"]]
+        worst = max(judged, key=lambda r: r["logits"]["max_abs"], default=None)
+        if failed_runs and not judged:
+            evidence = failed_runs[0].get("error", "failed")
+        elif over:
+            evidence = f"{len(over)}/{len(judged)} runs over tolerance; prompt {over[0]['prompt']}: {over[0]['logits_description']}"
+        elif worst is not None:
+            evidence = f"{len(judged)}/{len(judged)} runs within tolerance; worst: {worst['logits_description']}"
+        else:
+            evidence = "no run"
+        checks.append({"check": f"logits == from-scratch: {name}", "passed": bool(judged) and not over and not failed_runs,
+                       "evidence": evidence})
+        if name in distributions:
+            d = distributions[name]
+            test = oracle.DistributionVerdict(d["statistic"], d["dof"], d["p_value"], d["samples"], d["alpha"])
+            checks.append({"check": f"sampling distribution: {name}", "passed": test.passed,
+                           "evidence": "2nd new token vs the target's exact distribution: " + test.describe()})
+    partial = [a for st in stats.values() for a in st.acceptance if 1 < a < block_size]
+    method_rows = []
+    for st in stats.values():
+        row = st.as_dict(baseline)
+        judged = [r["logits"] for r in st.runs if "logits" in r]
+        if judged:
+            worst = max(judged, key=lambda v: v["max_abs"])
+            row["max_dlogit"], row["max_dlogit_at"] = worst["max_abs"], worst["at"]
+        if st.name in distributions:
+            row["distribution"] = distributions[st.name]
+        method_rows.append(row)
+    return {
+        "model": label,
+        "checks": checks,
+        "baseline": baseline.as_dict(None),
+        "methods": method_rows,
+        "partial_acceptances": len(partial),
+        "plumbing_figures": is_preset,
+        "sampling": sampling,
+        "logit_tolerance": tolerance,
+    }

@@ -1,0 +1,191 @@
+"""Loading the models the verifier decodes with (a preset or local folders), and the target's
+own greedy decoding, which is the oracle's reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import presets
+from .events import emit
+
+DRAFT_WINDOW = 16
+
+#: Logit spread (std) the presets' target gets for sampled verification. Its random lm_head gives
+#: a std of about 0.15, a next-token distribution so flat that a wrong acceptance rule cannot show
+#: in a distributional test; a trained model's is peaked. Scaling lm_head keeps every argmax.
+SAMPLING_LOGIT_STD = 3.0
+
+
+def prepare_for_sampling(target, mask_token_id: int) -> None:
+    """Peak the preset target's next-token distribution and make its mask token impossible, as in a
+    trained model (upstream decoders strip mask tokens from their output)."""
+    import torch
+
+    head = target.get_output_embeddings()
+    with torch.no_grad():
+        probe = torch.arange(min(16, head.weight.shape[0] - 1))[None]
+        std = float(target(probe, use_cache=False).logits.float().std())
+        head.weight.mul_(SAMPLING_LOGIT_STD / max(std, 1e-6))
+
+    def no_mask(module, args, output):
+        # e^-40 below the least likely token: never drawn. Finite on purpose: logits of a dtype's
+        # minimum would swamp any scale-relative comparison of logits (the runtime's mask probe).
+        output = output.clone()
+        output[..., mask_token_id] = output.amin(dim=-1) - 40.0
+        return output
+
+    head.register_forward_hook(no_mask)
+
+
+def load_preset(name: str, seed: int, draft_cls, block_size: int, default_init: bool = False, sampling: bool = False):
+    import torch
+
+    MASK_TOKEN_ID, build_target, draft_config = presets.MASK_TOKEN_ID, presets.build_target, presets.draft_config
+
+    target = build_target(name, seed=seed, **({"default_init": True} if default_init else {}))
+    torch.manual_seed(seed + 1)
+    # two layers, the first a sliding-window one as in Qwen3.6 drafters, with a window the prompts outgrow
+    cfg = draft_config(target, draft_cls.config_class, num_layers=2, block_size=block_size, sliding_window=DRAFT_WINDOW)
+    draft = draft_cls(cfg).eval()
+    if sampling:
+        prepare_for_sampling(target, MASK_TOKEN_ID)
+    return target, draft, MASK_TOKEN_ID
+
+
+def load_real(cfg: dict, draft_cls):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    for key in ("target", "draft"):
+        if cfg.get(key) and not Path(cfg[key]).exists():
+            raise FileNotFoundError(f"--{key} {cfg[key]} does not exist")
+    dtype = getattr(torch, cfg.get("dtype") or "bfloat16")
+    common = dict(dtype=dtype, local_files_only=True, trust_remote_code=bool(cfg.get("trust_remote_code")))
+    if cfg.get("device_map"):
+        common["device_map"] = cfg["device_map"]
+    target = AutoModelForCausalLM.from_pretrained(
+        cfg["target"], attn_implementation=cfg.get("attn_implementation") or "sdpa", **common
+    ).eval()
+    if cfg.get("draft"):
+        draft = draft_cls.from_pretrained(cfg["draft"], attn_implementation=cfg.get("draft_attn_implementation") or "sdpa", **common)
+    else:
+        draft = scripted_draft_for(target, draft_cls, cfg["block_size"], dtype)
+    if not cfg.get("device_map"):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        target, draft = target.to(device), draft.to(device)
+    else:
+        draft = draft.to(target.get_input_embeddings().weight.device)
+    return target, draft.eval(), getattr(draft, "mask_token_id", None)
+
+
+def scripted_draft_for(target, draft_cls, block_size: int, dtype):
+    """A draft of the tree's own class that fits ``target`` (``--target DIR --scripted-draft``).
+
+    Its weights do not matter: the scripted hook decides its proposals. Like the presets' draft
+    it has two layers, the first a sliding-window one, and its mask token is the target's last
+    vocabulary id.
+    """
+    import torch
+
+    torch.manual_seed(1)
+    cfg = presets.draft_config(target, draft_cls.config_class, num_layers=2, block_size=block_size, sliding_window=DRAFT_WINDOW)
+    cfg.dflash_config = {**cfg.dflash_config, "mask_token_id": int(cfg.vocab_size) - 1}
+    return draft_cls(cfg).to(dtype).eval()
+
+
+def check_fit(target, draft) -> None:
+    """A clear error when the draft was not made for this target."""
+    tc = target.config.get_text_config(decoder=True)
+    dc = draft.config
+    problems = []
+    if getattr(dc, "hidden_size", None) != tc.hidden_size:
+        problems.append(f"hidden size {dc.hidden_size} vs target {tc.hidden_size}")
+    ids = list(getattr(draft, "target_layer_ids", []) or [])
+    if ids and max(ids) >= tc.num_hidden_layers:
+        problems.append(f"target_layer_ids {ids} beyond the target's {tc.num_hidden_layers} layers")
+    if getattr(draft, "mask_token_id", None) is not None and draft.mask_token_id >= tc.vocab_size:
+        problems.append(f"mask token {draft.mask_token_id} outside the target's vocabulary of {tc.vocab_size}")
+    if problems:
+        raise ValueError("draft does not fit the target: " + "; ".join(problems))
+
+
+# ----------------------------------------------------------------------------- the reference
+def greedy(target, prompt, max_new_tokens: int, stop_ids=(), use_cache: bool = True) -> list[int]:
+    """The target's own greedy decoding, one token at a time (the oracle's reference)."""
+    import torch
+    from transformers import DynamicCache
+
+    ids = prompt.clone()
+    out: list[int] = []
+    with torch.inference_mode():
+        if use_cache:
+            cache = DynamicCache(config=target.config)
+            logits = target(ids, past_key_values=cache, use_cache=True).logits
+        else:
+            logits = target(ids, use_cache=False).logits
+        for _ in range(max_new_tokens):
+            token = int(logits[0, -1].argmax())
+            out.append(token)
+            if token in stop_ids:
+                break
+            step = torch.tensor([[token]], device=ids.device)
+            if use_cache:
+                logits = target(step, past_key_values=cache, use_cache=True).logits
+            else:
+                ids = torch.cat([ids, step], dim=1)
+                logits = target(ids, use_cache=False).logits
+    return out
+
+
+def multi_token_consistent(target, prompt, continuation: list[int]) -> tuple[bool, float]:
+    """A multi-token forward from a cache must equal token-by-token decoding from it."""
+    import torch
+    from transformers import DynamicCache
+
+    cont = torch.tensor([continuation], device=prompt.device)
+    with torch.inference_mode():
+        a = DynamicCache(config=target.config)
+        target(prompt, past_key_values=a, use_cache=True)
+        block = target(cont, past_key_values=a, use_cache=True).logits[0].float()
+        b = DynamicCache(config=target.config)
+        target(prompt, past_key_values=b, use_cache=True)
+        steps = [target(cont[:, i : i + 1], past_key_values=b, use_cache=True).logits[0, -1].float() for i in range(cont.shape[1])]
+    steps_t = torch.stack(steps)
+    same = bool((block.argmax(-1) == steps_t.argmax(-1)).all())
+    return same, float((block - steps_t).abs().max())
+
+
+# ----------------------------------------------------------------------------- prompts
+def random_prompts(n: int, length: int, seed: int, vocab_hi: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_hi, (1, length), generator=gen) for _ in range(n)]
+
+BUILTIN_PROMPTS = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell altogether?",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers greater than 100.",
+)
+
+
+def tokenized_prompts(cfg: dict, n: int, vocab: int):
+    """The built-in prompts through the target's tokenizer; random ids if the folder has none."""
+    from transformers import AutoTokenizer
+
+    tok = None
+    if any((Path(cfg["target"]) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
+        try:
+            tok = AutoTokenizer.from_pretrained(cfg["target"], local_files_only=True, trust_remote_code=bool(cfg.get("trust_remote_code")))
+        except (OSError, ValueError, TypeError):
+            tok = None
+    if tok is None or tok("a", return_tensors="pt").input_ids.numel() == 0:
+        emit("progress", done=0, total=1, label="no tokenizer in the target folder: random token prompts")
+        return random_prompts(n, cfg["prompt_len"], cfg["seeds"][0], vocab - 1), []
+    out = []
+    for text in BUILTIN_PROMPTS[:n]:
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        out.append(tok(text, return_tensors="pt").input_ids)
+    return out, [tok.eos_token_id] if tok.eos_token_id is not None else []

@@ -1,0 +1,252 @@
+"""Draw the import graph of ``patcher/`` and check its layering.
+
+    python tools/import_graph.py            # the graph, top down, one line per package; exit 1 on a violation
+    python tools/import_graph.py --modules  # one line per module
+    python tools/import_graph.py --dot      # Graphviz DOT of the module graph (pipe to `dot -Tsvg`)
+    python tools/import_graph.py --json     # edges, cycles and violations as JSON
+
+Every ``import`` counts, at module level or inside a function (a lazy import is still a
+dependency). The checks:
+
+* no import cycle between modules, nor between packages;
+* each package imports only packages in lower layers (``LAYERS``, top first) or itself, and of
+  those only the ones ``MAY_IMPORT`` lists (the engine, verify and ci never render);
+* ``runtime`` imports only the stdlib and torch at module level, and transformers only inside
+  a function (it is copied into patched trees, whose code runs transformers anyway);
+* the verifier's child modules import nothing of ``patcher`` outside ``patcher.verify``;
+* no module is over ``MAX_LINES`` lines, except ``runtime.py``;
+* each subpackage's ``__init__`` is a docstring of two lines: what it is for, what it may import.
+
+Only the stdlib is used, so it runs anywhere the checkout is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "patcher"
+#: Top first. A package may import packages of lower layers only (and itself).
+LAYERS = [
+    ("__main__",),
+    ("cli",),
+    ("api",),
+    ("ci",),
+    ("engine", "verify"),
+    ("report",),
+    ("results", "errors"),
+    ("__init__",),
+]
+#: What each package may import besides itself (what its ``__init__`` says): a lower layer is not
+#: enough; the engine, verify and ci return plain results and never render them.
+MAY_IMPORT = {
+    "__main__": {"cli"},
+    "cli": {"api", "report", "results", "verify", "__init__"},  # verify: the preset names for --preset's choices
+    "api": {"ci", "engine", "verify", "results", "errors", "__init__"},
+    "ci": {"engine", "verify", "results", "errors", "__init__"},
+    "engine": {"results", "errors", "__init__"},
+    "verify": {"results", "errors", "__init__"},
+    "report": {"results", "__init__"},
+    "results": {"__init__"},
+    "errors": set(),
+    "__init__": set(),
+    "runtime": set(),
+}
+STANDALONE = ("runtime",)  # imports nothing of patcher, and nothing imports it as code
+CHILD = ("worker", "models", "binding", "checks", "events", "oracle", "presets")  # patcher.verify modules run in the child
+MAX_LINES = 500
+RUNTIME_ALLOWED = {"torch"}
+#: ... and, inside a function only (with a fallback), what every patched tree runs with anyway.
+RUNTIME_LAZY = {"transformers"}
+
+
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    out = {}
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> tuple[set[str], set[str]]:
+    """(modules of ``patcher`` that ``name`` imports, top-level names of everything else it imports)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    is_pkg = path.name == "__init__.py"
+    here = name if is_pkg else name.rpartition(".")[0]
+    inside, outside = set(), set()
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here.split(".")
+                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            for alias in node.names:
+                sub = f"{mod}.{alias.name}"
+                targets.append(sub if sub in known else mod)
+        for t in targets:
+            if t == PACKAGE or t.startswith(PACKAGE + "."):
+                while t not in known and "." in t:
+                    t = t.rpartition(".")[0]
+                if t != name:
+                    inside.add(t)
+            else:
+                outside.add(t.split(".")[0])
+    return inside, outside
+
+
+def unit(module: str) -> str:
+    """The package a module belongs to: ``patcher.engine.codemods.crop`` -> ``engine``; ``patcher`` -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component with more than one node (or a self-loop), via Tarjan."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph.get(v, ()):
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10_000)
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def analyse(root: Path = ROOT) -> dict:
+    known = modules(root)
+    graph: dict[str, set[str]] = {}
+    external: dict[str, set[str]] = {}
+    for name, path in known.items():
+        graph[name], external[name] = imports(name, path, known)
+    layer_of = {u: i for i, names in enumerate(LAYERS) for u in names}
+    packages: dict[str, set[str]] = {}
+    violations: list[str] = []
+    for a, targets in graph.items():
+        ua = unit(a)
+        packages.setdefault(ua, set())
+        for b in targets:
+            ub = unit(b)
+            if ub != ua:
+                packages[ua].add(ub)
+            if ua in STANDALONE or ub in STANDALONE:
+                violations.append(f"{a} imports {b}: runtime stands alone (stdlib and torch only; it is copied into patched trees)")
+            elif ub == "cli" and ua != "__main__":
+                violations.append(f"{a} imports {b}: nothing imports the CLI")
+            elif ub != ua and layer_of[ub] <= layer_of[ua]:
+                violations.append(f"{a} imports {b}: {ua} (layer {layer_of[ua]}) may import only lower layers, not {ub} (layer {layer_of[ub]})")
+            elif ub != ua and ub not in MAY_IMPORT.get(ua, set()):
+                violations.append(f"{a} imports {b}: {ua} may import only {', '.join(sorted(MAY_IMPORT.get(ua, ()))) or 'nothing of patcher'}")
+            if ua == "verify" and a.rpartition(".")[2] in CHILD and ub != "verify":
+                violations.append(f"{a} imports {b}: the verifier's child modules import nothing of patcher outside patcher.verify")
+    runtime = f"{PACKAGE}.runtime"
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    top_level = {a.name.split(".")[0] for n in ast.parse(known[runtime].read_text(encoding="utf-8")).body
+                 if isinstance(n, ast.Import) for a in n.names}
+    top_level |= {(n.module or "").split(".")[0] for n in ast.parse(known[runtime].read_text(encoding="utf-8")).body
+                  if isinstance(n, ast.ImportFrom) and not n.level}
+    for ext in sorted(external.get(runtime, ())):
+        lazy_ok = ext in RUNTIME_LAZY and ext not in top_level
+        if ext not in stdlib and ext not in RUNTIME_ALLOWED and not lazy_ok:
+            violations.append(f"{runtime} imports {ext}: only the stdlib and torch (transformers only inside a function)")
+    for name, path in known.items():
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > MAX_LINES and name != runtime:
+            violations.append(f"{name}: {lines} lines (over {MAX_LINES})")
+        if path.name == "__init__.py" and name != PACKAGE:
+            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=True) or ""
+            text = [l for l in doc.splitlines() if l.strip()]
+            if len(text) != 2 or "import" not in text[1].lower():
+                violations.append(f"{name}/__init__.py: its docstring must be two lines, what the package is for and what it may import")
+    module_cycles = cycles(graph)
+    package_cycles = cycles(packages)
+    violations += [f"import cycle between modules: {' -> '.join(c)}" for c in module_cycles]
+    violations += [f"import cycle between packages: {' -> '.join(c)}" for c in package_cycles]
+    return {"modules": {k: sorted(v) for k, v in graph.items()}, "packages": {k: sorted(v) for k, v in packages.items()},
+            "module_cycles": module_cycles, "package_cycles": package_cycles, "violations": violations}
+
+
+def text(result: dict, by_module: bool) -> str:
+    out = []
+    order = [u for names in LAYERS for u in names] + list(STANDALONE)
+    if by_module:
+        for u in order:
+            for m in sorted(k for k in result["modules"] if unit(k) == u):
+                deps = [d[len(PACKAGE) + 1:] or PACKAGE for d in result["modules"][m]]
+                out.append(f"{m[len(PACKAGE) + 1:] or PACKAGE:<32} -> {', '.join(deps) or '(nothing of patcher)'}")
+    else:
+        for i, names in enumerate(LAYERS):
+            for u in names:
+                if u in result["packages"]:
+                    out.append(f"layer {i}  {u:<9} -> {', '.join(sorted(result['packages'][u], key=order.index)) or '(nothing of patcher)'}")
+        for u in STANDALONE:
+            out.append(f"alone    {u:<9} -> {', '.join(result['packages'].get(u, [])) or '(nothing of patcher: stdlib and torch)'}")
+    out.append("")
+    out.append("cycles: none" if not result["module_cycles"] and not result["package_cycles"] else "cycles: FOUND")
+    out += [f"VIOLATION: {v}" for v in result["violations"]] or ["layering: every import points down"]
+    return "\n".join(out) + "\n"
+
+
+def dot(result: dict) -> str:
+    lines = ["digraph patcher {", "  rankdir=TB; node [shape=box, fontname=monospace];"]
+    for u in {unit(m) for m in result["modules"]}:
+        mods = sorted(m for m in result["modules"] if unit(m) == u)
+        lines.append(f'  subgraph "cluster_{u}" {{ label="{u}";')
+        lines += [f'    "{m}";' for m in mods]
+        lines.append("  }")
+    for a, targets in sorted(result["modules"].items()):
+        lines += [f'  "{a}" -> "{b}";' for b in targets]
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modules", action="store_true", help="one line per module instead of per package")
+    parser.add_argument("--dot", action="store_true", help="Graphviz DOT of the module graph")
+    parser.add_argument("--json", action="store_true", help="edges, cycles and violations as JSON")
+    args = parser.parse_args(argv)
+    result = analyse()
+    if args.json:
+        sys.stdout.write(json.dumps(result, indent=2) + "\n")
+    elif args.dot:
+        sys.stdout.write(dot(result))
+    else:
+        sys.stdout.write(text(result, args.modules))
+    return 1 if result["violations"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
