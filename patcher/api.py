@@ -24,25 +24,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .ci.history import BISECT_THRESHOLD, run_ci
-from .ci.hunks import HUNK_LINES
-from .ci.lock import apply_lock, default_lock_path
-from .ci.workflow import workflow_template
+from .ci import BISECT_THRESHOLD, HUNK_LINES
 from .engine.recipe import Recipe, builtin_recipes, load_recipe
 from .errors import INPUT_ERRORS, CIError, EngineError, JournalError, RecipeError, VerifierCrash, VerifyError
 from .results import ApplyResult, CIResult, Outcome, Report, StepDoc
 from .verify.presets import PRESETS
-from .verify.runner import DEFAULTS as VERIFY_DEFAULTS
-from .verify.runner import run_verify
 
-# The engine (and libcst) is imported by the functions that run it, so that importing this
-# module, and ``ddpatch --help`` above it, stays cheap.
+# The engine (and libcst), the verifier's runner and ci's history are imported by the functions
+# that run them, so that importing this module, and ``ddpatch --help`` above it, stays cheap.
 
 DEFAULT_RECIPE = "qwen3_6-gdn"
 
 __all__ = [
     "BISECT_THRESHOLD", "CIError", "DEFAULT_RECIPE", "EngineError", "HUNK_LINES", "INPUT_ERRORS", "JournalError", "PRESETS",
-    "RecipeError", "VERIFY_DEFAULTS", "VerifierCrash", "VerifyError", "apply", "check", "ci", "diff", "patch_builtin",
+    "RecipeError", "VerifierCrash", "VerifyError", "apply", "check", "ci", "diff", "patch_builtin",
     "recipe_docs", "recipes", "revert", "run", "verify", "workflow_template",
 ]
 
@@ -195,9 +190,18 @@ def patch_builtin(upstream: str, dest: Path) -> Report:
 
 
 # ----------------------------------------------------------------------------- verify
+def workflow_template() -> str:
+    """A GitHub Actions workflow that runs ``ddpatch ci`` on a schedule."""
+    from .ci.workflow import workflow_template
+
+    return workflow_template()
+
+
 def verify(path: str | Path, timeout: float = 600.0, progress: Callable[[dict], None] | None = None, **options) -> Outcome:
-    """Run the tree's own decoders in a child process and judge them (options: ``VERIFY_DEFAULTS`` keys,
+    """Run the tree's own decoders in a child process and judge them (options: the keys of ``patcher.verify.runner.DEFAULTS``,
     ``target``/``draft`` folders, ``scripted_draft``, ``temperature``, ...)."""
+    from .verify.runner import run_verify
+
     return run_verify(Path(path), timeout=timeout, progress=progress, **options)
 
 
@@ -211,6 +215,9 @@ def ci(recipe: str | Recipe, repo: str | Path, rev: str = "HEAD", since: str | N
     ``verify``: options for ``verify`` on each evaluated commit (None: no verify).
     ``update_lock``: record a green tip in ``lock`` (default ``vendored/upstream.lock``).
     """
+    from .ci.history import run_ci
+    from .ci.lock import apply_lock, default_lock_path
+
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     lock_file = None
     if update_lock:

@@ -95,6 +95,9 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> tuple[set[str], se
             for alias in node.names:
                 sub = f"{mod}.{alias.name}"
                 targets.append(sub if sub in known else mod)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "sibling" and node.args \
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            targets.append(f"{here}.{node.args[0].value}")  # verify.worker loads its siblings by name (see child_package)
         for t in targets:
             if t == PACKAGE or t.startswith(PACKAGE + "."):
                 while t not in known and "." in t:

@@ -39,11 +39,9 @@ from typing import Any, Callable
 from ..errors import EngineError
 from ..results import LAYOUT, NO_MATCH, CIResult, CommitEval, Finding
 from ..verify.runner import VerifyError, run_verify
+from . import BISECT_THRESHOLD, HUNK_LINES
 from .git import CIError, Repo
-from .hunks import HUNK_LINES, hunk
-
-#: Ranges longer than this are bisected per step instead of evaluated commit by commit.
-BISECT_THRESHOLD = 8
+from .hunks import hunk
 
 __all__ = ["BISECT_THRESHOLD", "HUNK_LINES", "CIError", "Evaluator", "run_ci"]
 

@@ -8,8 +8,6 @@ import re
 from ..results import LAYOUT, CommitEval, Finding
 from .git import Repo
 
-#: Lines of upstream diff shown per finding.
-HUNK_LINES = 60
 
 
 _HUNK_HEAD = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@(.*)$")

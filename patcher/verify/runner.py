@@ -2,10 +2,10 @@
 
 The parent never imports torch or the patched tree: it starts
 ``python .../patcher/verify/worker.py`` (by path: ddpatch is not importable there) with a
-timeout, in a temporary working directory, offline, with bytecode writing off, shows a
-progress bar from the child's progress lines, and renders the child's final result.
-Exit 0 only if every check passed; a crash of the verifier itself is ``VerifierCrash``
-(exit 3), never a verdict.
+timeout, in a temporary working directory, offline, with bytecode writing off, passes the
+child's progress lines to ``progress``, and returns the child's final result as an
+``Outcome`` (``patcher.report`` renders it). It passed only if every check passed; a crash
+of the verifier itself is ``VerifierCrash`` (exit 3), never a verdict.
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ def run(cfg: dict) -> dict:
     import torch
     import transformers
 
-    binding, checks, models, events = (sibling(name) for name in ("binding", "checks", "models", "events"))
+    binding, checks, models, events = sibling("binding"), sibling("checks"), sibling("models"), sibling("events")
 
     tree = Path(cfg["tree"]).resolve()
     env = {"transformers": transformers.__version__, "torch": torch.__version__, "python": sys.version.split()[0]}
