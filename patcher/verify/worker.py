@@ -81,10 +81,11 @@ class NoDdpatch:
 
 
 def hide_ddpatch() -> NoDdpatch:
-    here = Path(__file__).resolve().parent  # patcher/verify: neither it, patcher/ nor the folder holding patcher/ stays on the path
-    hidden = {here, here.parent, here.parent.parent}
-    if here.parent.parent.name in ("site-packages", "dist-packages"):  # an installed ddpatch: torch lives there too
-        hidden.discard(here.parent.parent)
+    # The script's folder (patcher/verify) and patcher/ leave the path: their module names (models,
+    # checks, runtime, api...) must not shadow the tree's. The folder holding patcher/ may stay (it
+    # can be site-packages): the blocker makes ``patcher`` itself unimportable from anywhere.
+    here = Path(__file__).resolve().parent
+    hidden = {here, here.parent}
     sys.path[:] = [p for p in sys.path if p and Path(p).resolve() not in hidden]
     for name in [m for m in sys.modules if m == "patcher" or m.startswith("patcher.")]:
         del sys.modules[name]
