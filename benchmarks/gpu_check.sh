@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of the lossless verify/commit (patcher/runtime.py), as one prepared script.
+# The GPU check of the lossless verify/commit (patcher/runtime/), as one prepared script.
 #
 #   benchmarks/gpu_check.sh --prepare   # here, with a package index: fills wheelhouse/ (git-ignored)
 #   benchmarks/gpu_check.sh             # on the GPU machine, from the repository root, wheelhouse/ carried
@@ -12,7 +12,8 @@
 #   2. bench_rollback.py on CUDA, bf16: one Qwen3.6-27B-sized Gated DeltaNet layer + one
 #      attention layer (random weights) and mid-qwen3_5; chain replay "closed" and "kernel";
 #      once with transformers' torch kernels and once with fla's;
-#   3. `ddpatch verify` of the patched vendored DDTree on the tiny presets, on CUDA.
+#   3. rounds per second of a chain and a tree round, with and without the fast path (bf16, mid-qwen3_5);
+#   4. `ddpatch verify` of the patched vendored DDTree on the tiny presets, on CUDA.
 # Figures go to $OUT (or ./out): gpu_check.txt (the log) and one JSON file per step.
 set -u
 cd "$(dirname "$0")/.."
@@ -92,6 +93,64 @@ step bench-fla 150 env PYTHONPATH="$FLA_PATH" bash -c \
 step bench-torch 120 env PYTHONPATH="$TORCH_PATH" bash -c \
     "$BENCH --presets $BENCH_PRESETS --chain-replay auto,closed,kernel > '$OUTDIR/bench_cuda_torch.json'"
 
+# Rounds per second of the lossless round (verify + commit), with and without the Gated DeltaNet
+# fast path, bf16, on mid-qwen3_5: a chain round (16 tokens verified, 8 kept) and a tree round
+# (a 16-node tree, a 5-node path kept).
+step rounds 90 env PYTHONPATH="$FLA_PATH" python3 - cuda bfloat16 "$OUTDIR/rounds_per_second.json" <<'PY' || true
+import json, sys, time
+import torch
+sys.path.insert(0, ".")
+from patcher import runtime as rt
+from patcher.verify.presets import build_target
+from transformers import DynamicCache
+
+device, dtype, out = sys.argv[1], getattr(torch, sys.argv[2]), sys.argv[3]
+m = build_target("mid-qwen3_5", seed=0).to(device=device, dtype=dtype)
+parents = [-1] + [(i - 1) // 2 for i in range(1, 16)]  # a binary tree of 16 nodes
+depth = [0] * 16
+for i in range(1, 16):
+    depth[i] = depth[parents[i]] + 1
+path = [0, 1, 3, 7, 15]
+mask = torch.full((1, 1, 16, 64 + 16), torch.finfo(dtype).min, dtype=dtype, device=device)
+mask[..., :64] = 0
+for i in range(16):
+    j = i
+    while j >= 0:
+        mask[0, 0, i, 64 + j] = 0
+        j = parents[j]
+sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+def rounds(kind, fast, n=20):
+    rt.GDN_FAST_PATH = fast
+    ids = torch.arange(64, device=device)[None] % 50
+    block = torch.arange(16, device=device)[None] % 50 + 1
+    per = []
+    with torch.inference_mode():
+        for r in range(n + 3):
+            cache = DynamicCache(config=m.config)
+            m(ids, past_key_values=cache, use_cache=True)
+            sync()
+            t = time.perf_counter()
+            if kind == "chain":
+                rt.verify_forward(m, block, position_ids=torch.arange(64, 80, device=device)[None],
+                                  past_key_values=cache, use_cache=True)
+                cache.crop(-8)
+            else:
+                rt.verify_forward(m, block, position_ids=(64 + torch.tensor(depth, device=device))[None],
+                                  attention_mask=mask, past_key_values=cache, use_cache=True)
+                rt.compact_cache(cache, 64, path)
+            sync()
+            if r >= 3:  # warm-up rounds dropped
+                per.append(time.perf_counter() - t)
+    per.sort()
+    return round(1.0 / per[len(per) // 2], 1)
+
+table = {kind: {"fast path": rounds(kind, True), "generic": rounds(kind, False)} for kind in ("chain", "tree")}
+rt.GDN_FAST_PATH = True
+print("rounds per second (median of 20), mid-qwen3_5,", sys.argv[2], device, json.dumps(table))
+json.dump({"preset": "mid-qwen3_5", "dtype": sys.argv[2], "device": device, "rounds_per_second": table}, open(out, "w"))
+PY
+
 PATCHED=/tmp/ddpatch-patched
 rm -rf "$PATCHED"
 step patch 60 env PYTHONPATH="$FLA_PATH" python3 -m patcher.cli apply vendored/ddtree --recipe qwen3_6-gdn --out "$PATCHED"
@@ -111,6 +170,10 @@ for name in ("bench_cuda_fla.json", "bench_cuda_torch.json"):
     print(name, "fla" if d["environment"]["fla"] else "torch kernels")
     for key in ("chain_ratio", "chain_ratio_by_replay", "tree_ratio", "commit_share"):
         print(" ", key, json.dumps(d[key]))
+try:
+    print("rounds per second:", json.loads((out / "rounds_per_second.json").read_text())["rounds_per_second"])
+except Exception as e:  # noqa: BLE001
+    print("rounds_per_second.json missing:", e)
 try:
     v = json.loads((out / "verify_cuda.json").read_text())
     print("verify passed:", v.get("passed"), "exit", v.get("exit_code"))

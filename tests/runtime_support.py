@@ -30,6 +30,9 @@ def prefill(m, prompt, record_past: bool = False):
     cache = DynamicCache(config=m.config)
     if record_past:
         cache.activate_past_recording()
+        for layer in cache.layers:  # 5.25 leaves None, which its own GDN forward cannot compare
+            if getattr(layer, "recurrent_states_to_keep", 0) is None:
+                layer.recurrent_states_to_keep = 0
     m(prompt, past_key_values=cache, use_cache=True)
     return cache
 

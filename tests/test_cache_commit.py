@@ -173,7 +173,15 @@ def test_a_lossy_cut_is_detected():
     with torch.inference_mode():
         cache = prefill(m, prompt, record_past=True)
         m(block, position_ids=torch.arange(6, 11)[None], past_key_values=cache, use_cache=True)
-        cache.crop(-3)  # native: conv rolled back, recurrent state keeps the rejected tokens
+        # what transformers' own crop does on 5.23: conv rolled back, recurrent state keeps the rejected tokens
+        for layer in cache.layers:
+            if hasattr(layer, "recurrent_states"):
+                kernel = layer.conv_kernel_size[0]
+                layer.conv_states[0] = layer.conv_states[0][..., -3 - kernel : -3]
+                if hasattr(layer, "cumulative_length_linear"):  # 5.25+: linear layers count tokens
+                    layer.cumulative_length_linear.sub_(3)
+            else:
+                type(layer).crop(layer, -3)
         with pytest.raises(AssertionError):
             assert_lossless(m, cache, prompt, block[:, :2])
 
@@ -342,4 +350,5 @@ def test_never_recorded_hybrid_cache_warns_and_draft_cache_is_untouched():
         m(torch.tensor([[4, 5]]), past_key_values=cache, use_cache=True)
         rt.crop_cache(cache, 4)
         assert "crop" not in cache.__dict__
-    assert [issubclass(w.category, RuntimeWarning) for w in caught] == [True]
+    ours = [w for w in caught if "ddpatch" in str(w.message)]  # 5.25 adds its own deprecation warnings
+    assert [issubclass(w.category, RuntimeWarning) for w in ours] == [True]

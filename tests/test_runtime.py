@@ -291,7 +291,10 @@ def test_tree_forward_restored_on_error():
                 use_cache=True,
             )
     assert all("forward" not in mod.__dict__ for mod in gdn)
-    assert rt._get_record(cache) is None  # a failed verify leaves nothing to commit
+    # a failed verify leaves a record still in flight: no commit can be exact on that cache any more
+    assert rt._get_record(cache).inflight
+    with pytest.raises(RuntimeError, match="raised before it returned"):
+        cache.crop(-1)
 
 
 def test_discovery_cross_checks_config():

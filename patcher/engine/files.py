@@ -6,8 +6,11 @@ Nothing here knows about recipes' steps; ``pipeline`` reads through it and ``wri
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Iterable
@@ -17,7 +20,9 @@ from ..results import FileResult
 from .codemods.base import RUNTIME_MODULE
 from .recipe import Recipe
 
-RUNTIME_FILE = RUNTIME_MODULE + ".py"
+RUNTIME_PACKAGE = RUNTIME_MODULE  # the folder ``_ddpatch_runtime/`` a patched tree imports
+RUNTIME_FILE = RUNTIME_MODULE + ".py"  # the single-file copy older ddpatch releases wrote; replaced by the folder
+RUNTIME_MANIFEST = "MANIFEST.json"
 _DEF = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+([A-Za-z_]\w*)", re.M)
 _PROVENANCE = re.compile(r"^# ddpatch: recipe (?P<recipe>\S+) v(?P<version>\d+), ddpatch (?P<ddpatch>\S+); steps: (?P<steps>.*)$")
 
@@ -100,28 +105,108 @@ def write_provenance(text: str, steps: set[str], recipe: Recipe) -> str:
 
 
 # ----------------------------------------------------------------------------- the runtime helper
-def _runtime_source() -> str:
-    body = (Path(__file__).resolve().parent.parent / "runtime.py").read_text(encoding="utf-8")
-    head = (
-        f"# ddpatch: runtime helper copied by ddpatch {__version__}; do not edit, re-run `ddpatch apply` to update.\n"
-        "# Source: patcher/runtime.py in ddpatch (MIT).\n"
-    )
-    return head + body
+def runtime_sources() -> dict[str, str]:
+    """The files of the ``_ddpatch_runtime/`` folder: every module of ``patcher/runtime/`` with a
+    header, and ``MANIFEST.json`` (the ddpatch version and each file's sha256)."""
+    package = Path(__file__).resolve().parent.parent / "runtime"
+    out = {}
+    for path in sorted(package.glob("*.py")):
+        head = (
+            f"# ddpatch: runtime helper copied by ddpatch {__version__}; do not edit, re-run `ddpatch apply` to update.\n"
+            f"# Source: patcher/runtime/{path.name} in ddpatch (MIT).\n"
+        )
+        out[path.name] = head + path.read_text(encoding="utf-8")
+    manifest = {
+        "ddpatch": __version__,
+        "package": RUNTIME_PACKAGE,
+        "files": {name: hashlib.sha256(text.encode("utf-8")).hexdigest() for name, text in out.items()},
+    }
+    out[RUNTIME_MANIFEST] = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+    return out
+
+
+def runtime_owner(rel: str) -> PurePosixPath | None:
+    """The folder whose code a runtime file serves (``a/_ddpatch_runtime/x.py`` and the old
+    single file ``a/_ddpatch_runtime.py`` -> ``a``), or None for any other file."""
+    path = PurePosixPath(rel)
+    if path.name == RUNTIME_FILE:
+        return path.parent
+    if path.parent.name == RUNTIME_PACKAGE:
+        return path.parent.parent
+    return None
+
+
+def is_removal(result: FileResult) -> bool:
+    """A runtime file the new copy no longer has (the old single file, a module since renamed)."""
+    return result.patched == "" and runtime_owner(result.path) is not None
 
 
 def add_runtime_files(root: Path, files: list[FileResult]) -> list[FileResult]:
-    """One runtime module next to every patched file that calls it."""
+    """The runtime folder next to every patched file that calls it, as one result per file.
+
+    A stale copy is replaced as a whole: files the new copy lacks (and an old single-file
+    ``_ddpatch_runtime.py``) come back as removals (``patched == ""``), which ``install_runtime``
+    carries out and the journal can undo.
+    """
     wanted = sorted({PurePosixPath(f.path).parent for f in files if f.needs_runtime})
     if not wanted:
         return []
-    source = _runtime_source()
+    sources = runtime_sources()
     out = []
     for folder in wanted:
-        rel = (folder / RUNTIME_FILE).as_posix()
-        path = root / rel
-        old = path.read_text(encoding="utf-8") if path.exists() else None
-        out.append(FileResult(rel, old, patched=source if old != source else None))
+        package = folder / RUNTIME_PACKAGE
+        for name, text in sources.items():
+            rel = (package / name).as_posix()
+            path = root / rel
+            old = path.read_text(encoding="utf-8") if path.is_file() else None
+            out.append(FileResult(rel, old, patched=text if old != text else None))
+        present = root / package
+        stale = sorted(p.name for p in present.iterdir() if p.is_file() and p.name not in sources) if present.is_dir() else []
+        for name in stale + ([] if not (root / folder / RUNTIME_FILE).is_file() else [None]):
+            rel = (folder / RUNTIME_FILE).as_posix() if name is None else (package / name).as_posix()
+            out.append(FileResult(rel, (root / rel).read_text(encoding="utf-8", errors="replace"), patched=""))
     return out
+
+
+def install_runtime(dest_root: Path, results: list[FileResult]) -> list[str]:
+    """Write the runtime folder of every folder ``results`` touch, each as a whole: built in a
+    temporary folder next to it, then renamed into place (an older copy, folder or single file,
+    is moved aside first and deleted after). Returns the paths of ``results``."""
+    owners = sorted({runtime_owner(f.path) for f in results} - {None})
+    sources = runtime_sources()
+    for owner in owners:
+        folder = dest_root / owner
+        folder.mkdir(parents=True, exist_ok=True)
+        target = folder / RUNTIME_PACKAGE
+        for stale in folder.glob(f".{RUNTIME_PACKAGE}.*.ddpatch-*"):  # left by a run killed mid-install
+            if stale.is_dir() and stale.name.endswith((".ddpatch-tmp", ".ddpatch-old")):
+                shutil.rmtree(stale, ignore_errors=True)
+        staging = Path(tempfile.mkdtemp(dir=folder, prefix=f".{RUNTIME_PACKAGE}.", suffix=".ddpatch-tmp"))
+        try:
+            mode = new_file_mode()
+            for name, text in sources.items():
+                with open(staging / name, "wb") as handle:
+                    handle.write(text.encode("utf-8"))
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.chmod(staging / name, mode)
+            umask = os.umask(0o022)
+            os.umask(umask)
+            os.chmod(staging, 0o777 & ~umask)  # mkdtemp's folder is 0700; a folder made by mkdir is not
+            old = None
+            if target.exists():
+                old = folder / f".{RUNTIME_PACKAGE}.{os.getpid()}.ddpatch-old"
+                os.replace(target, old)
+            os.replace(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        single = folder / RUNTIME_FILE
+        if single.is_file():
+            single.unlink()
+    return [f.path for f in results]
 
 
 # ----------------------------------------------------------------------------- atomic writes
@@ -162,6 +247,9 @@ def unwritable(path: Path) -> str | None:
     """Why ``path`` must not be patched in place, if it must not."""
     if path.exists() and (not path.stat().st_mode & 0o222 or not os.access(path, os.W_OK)):  # root passes os.access
         return "read-only file; not patched (make it writable to patch it)"
-    if not os.access(path.parent, os.W_OK | os.X_OK):
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:  # a file of a folder ddpatch creates (the runtime's)
+        parent = parent.parent
+    if not os.access(parent, os.W_OK | os.X_OK):
         return "read-only folder; not patched"
     return None

@@ -8,7 +8,7 @@ from pathlib import Path, PurePosixPath
 
 from ..results import Report
 from .classify import mark_skipped
-from .files import RUNTIME_FILE, atomic_write, unwritable
+from .files import atomic_write, install_runtime, runtime_owner, unwritable
 
 
 def refuse_unwritable(report: Report) -> None:
@@ -27,7 +27,7 @@ def refuse_unwritable(report: Report) -> None:
     # (or about to be) imports is, so that a stale copy is refreshed
     wanted = {PurePosixPath(f.path).parent for f in report.files if f.needs_runtime and not f.error}
     for f in report.changed:
-        if PurePosixPath(f.path).name == RUNTIME_FILE and PurePosixPath(f.path).parent not in wanted:
+        if runtime_owner(f.path) is not None and runtime_owner(f.path) not in wanted:
             f.patched = None
     mark_skipped(report)
 
@@ -36,7 +36,11 @@ def write_report(report: Report, dest_root: Path) -> list[str]:
     base = report.root if report.root.is_dir() else report.root.parent
     delay = float(os.environ.get("DDPATCH_TEST_WRITE_DELAY") or 0)  # lets a test kill a run between two files
     written = []
+    runtime = [f for f in report.changed if runtime_owner(f.path) is not None]
+    written += install_runtime(Path(dest_root if dest_root else base), runtime)  # each copy as a whole folder
     for f in report.changed:
+        if runtime_owner(f.path) is not None:
+            continue
         atomic_write(Path(dest_root if dest_root else base) / f.path, f.encoded())
         written.append(f.path)
         if delay:
