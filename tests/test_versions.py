@@ -1,0 +1,141 @@
+"""The tested transformers range says the same everywhere: pyproject's pin, patcher/env.py, the recipe,
+the runtime's refusal, the version matrix (.ci/matrix) and .ci/run (docs/transformers.md)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from patcher import env as penv
+
+ROOT = Path(__file__).resolve().parent.parent
+LOW, HIGH = penv.TESTED_RANGES["transformers"]
+
+
+def _pin(spec: str) -> tuple[str, str]:
+    match = re.fullmatch(r"\s*>=\s*([\d.]+)\s*,\s*<\s*([\d.]+)\s*", spec)
+    assert match, f"not a >=LOW,<HIGH range: {spec!r}"
+    return match.group(1), match.group(2)
+
+
+def test_the_pin_is_the_tested_range():
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [d[len("transformers"):] for d in deps if re.match(r"transformers\s*[<>=]", d)]
+    assert _pin(spec) == (LOW, HIGH)
+
+
+def test_the_pin_covers_the_newest_tested_release_and_only_whole_minors():
+    low, high = penv.release(LOW), penv.release(HIGH)
+    assert low[2] == 0 and high[2] == 0, "the range runs from a minor to the next minor after the newest tested one"
+    assert high > low
+
+
+def test_the_recipe_names_the_same_range():
+    recipe = tomllib.loads((ROOT / "recipes" / "qwen3_6-gdn.toml").read_text())
+    assert _pin(recipe["transformers"]) == (LOW, HIGH)
+
+
+def test_this_suite_runs_inside_the_tested_range():
+    import transformers
+
+    assert penv.tested_range_status("transformers", transformers.__version__) == "inside", transformers.__version__
+
+
+def _matrix_releases() -> list[str]:
+    text = (ROOT / ".ci" / "matrix").read_text()
+    match = re.search(r'^RELEASES=\$\{DDPATCH_MATRIX:-"([^"]+)"\}', text, re.M)
+    assert match, "RELEASES line not found in .ci/matrix"
+    return match.group(1).split()
+
+
+def test_the_matrix_runs_the_floor_a_middle_release_and_the_newest():
+    releases = _matrix_releases()
+    assert len(releases) >= 3
+    versions = [penv.release(r) for r in releases]
+    assert min(versions) == penv.release(LOW), "the matrix must run the floor of the pin"
+    newest = max(versions)
+    assert newest[:2] == (penv.release(HIGH)[0], penv.release(HIGH)[1] - 1), "the matrix must run the newest minor the pin allows"
+    assert all(penv.tested_range_status("transformers", r) == "inside" for r in releases)
+
+
+def test_ci_run_runs_the_readme_command_then_the_matrix_and_fails_with_it():
+    lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    readme = (ROOT / "README.md").read_text()
+    command = 'python3 -m pip install -q torch==2.13.0 -e ".[test]" && python3 -m pytest -q'
+    assert command in readme
+    suite = next(i for i, line in enumerate(lines) if command in line)
+    matrix = next(i for i, line in enumerate(lines) if ".ci/matrix" in line)
+    assert suite < matrix and "status=1" in lines[suite] and "status=1" in lines[matrix]
+    assert lines[-1] == "exit $status", ".ci/run must fail when the suite or a matrix cell fails"
+
+
+def test_the_matrix_script_parses():
+    subprocess.run(["bash", "-n", str(ROOT / ".ci" / "matrix")], check=True)
+    subprocess.run(["bash", "-n", str(ROOT / ".ci" / "run")], check=True)
+
+
+def test_the_workflow_verifies_on_the_newest_transformers():
+    from patcher.ci.workflow import workflow_template
+
+    text = workflow_template()
+    job = text[text.index("\n  newest-transformers:"):]
+    assert "pip install --upgrade transformers" in job
+    assert job.index("pip install --upgrade transformers") < job.index("ddpatch verify")
+    assert "ddpatch env" in job
+    assert "\t" not in text
+
+
+def test_the_runtime_refuses_a_transformers_below_the_floor_in_one_line():
+    """Below the floor the runtime refuses at first use, in one line naming the version (docs/transformers.md):
+    5.20.2 (reads the cache's internals), 5.7.0 (the same), 5.2.0 (before transformers#45513)."""
+    code = """
+import sys
+import transformers
+real = transformers.__version__
+from patcher import runtime as rt
+from patcher.verify.presets import build_target
+model = build_target("tiny-qwen3_5", seed=0)
+for version in ("5.20.2", "5.7.0", "5.2.0", real):  # the runtime checks at first use, and remembers only a pass
+    sys.modules["transformers"].__version__ = version  # transformers swaps its lazy module in on first use
+    try:
+        rt.hybrid_linear_modules(model)
+    except rt.UnsupportedModelError as exc:
+        print(version, "|", str(exc).replace("\\n", "<newline>"))
+    else:
+        print(version, "| NOT REFUSED")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.strip().splitlines()
+    assert len(out) == 4, out
+    assert out[-1].endswith("| NOT REFUSED"), "the installed release is inside the range and must be served"
+    for line in out[:-1]:
+        version, message = line.split(" | ", 1)
+        assert message.startswith("ddpatch: ") and "<newline>" not in message, line
+        assert version in message and LOW in message, line
+
+
+@pytest.mark.parametrize("keyword", ["past_key_values", "cache"])
+def test_the_logits_recorder_finds_the_cache_by_type_not_keyword(keyword):
+    """transformers 5.24+ names a model's cache ``cache=`` (``past_key_values=`` is deprecated): a decoder
+    that passes either is a decoding step the verifier records; a forward without a cache is not."""
+    import torch
+    from transformers import DynamicCache
+
+    from patcher.verify.oracle import LogitsRecorder
+
+    class Target(torch.nn.Module):
+        def forward(self, input_ids, **kwargs):
+            return type("Out", (), {"logits": torch.zeros(1, input_ids.shape[1], 5)})()
+
+    target = Target()
+    with LogitsRecorder(target) as recorder:
+        target(torch.tensor([[1, 2, 3]]), **{keyword: DynamicCache()})
+        target(torch.tensor([[4]]), use_cache=False)
+    assert [c["ids"] for c in recorder.calls] == [[1, 2, 3]]
+    assert recorder.calls[0]["positions"] == [0, 1, 2]
