@@ -111,6 +111,8 @@ def test_posterior_matching_on_the_tree_is_verified(tmp_path):
     for method in ("dflash", "ddtree_tb4"):
         assert checks[f"logits == from-scratch: {method}"]["passed"]
         assert checks[f"sampling distribution: {method}"]["passed"]
+    # the scripted draft proposes from the target's own (sharpened) distribution: rollback is exercised under sampling
+    assert payload["models"][0]["partial_acceptances"] > 0, payload["models"][0]["methods"]
     # the DDTree-shaped decoders take no top_p: they are not run under it, and the report says so
     code, payload = verify(payload["tree"], "--tree-budgets", "4", "--top-p", "0.9", "--sampling-runs", "0", "--max-new-tokens", "4")
     assert "takes no top_p" in checks_of(payload)["sampling options"]["evidence"]

@@ -18,7 +18,27 @@ def apply_payload(result: ApplyResult, code: int) -> dict:
 
 
 def verify_payload(outcome: Outcome, code: int) -> dict:
-    return {"command": "verify", "passed": outcome.passed, "seconds": round(outcome.seconds, 2), **outcome.result, "exit_code": code}
+    return {"command": "verify", "passed": outcome.passed, "verdict": verify_verdict_word(outcome), "seconds": round(outcome.seconds, 2),
+            **outcome.result, **_tested_environment(outcome.result), "exit_code": code}
+
+
+def verify_verdict_word(outcome: Outcome) -> str:
+    """pass, fail, or inconclusive (every failed check is one that cannot judge in this dtype: never a pass)."""
+    if outcome.passed:
+        return "pass"
+    failed = [c for c in outcome.checks if not c["passed"]]
+    return "inconclusive" if failed and all(c.get("inconclusive") for c in failed) else "fail"
+
+
+def _tested_environment(result: dict) -> dict:
+    """The worker's ``environment``, plus whether its transformers is inside ddpatch's tested range."""
+    env = result.get("environment")
+    if not isinstance(env, dict) or "transformers" not in env:
+        return {}
+    from ..env import range_text, tested_range_status
+
+    return {"environment": {**env, "transformers_tested_range": range_text("transformers"),
+                            "transformers_in_tested_range": tested_range_status("transformers", env["transformers"])}}
 
 
 def error_payload(command: str | None, message: str, code: int, **extra: Any) -> dict:
@@ -26,8 +46,10 @@ def error_payload(command: str | None, message: str, code: int, **extra: Any) ->
     return {"command": command, **extra, "error": message, "exit_code": code}
 
 
-def revert_payload(root: str, restored: list[str], code: int) -> dict:
-    return {"command": "revert", "root": root, "restored": restored, "exit_code": code}
+def revert_payload(root: str, result, code: int) -> dict:
+    return {"command": "revert", "root": root, "restored": result.restored,
+            "overwritten": [{"path": p, "backup": b} for p, b in result.overwritten],
+            "already_reverted": result.already_reverted is not None, "exit_code": code}
 
 
 def recipes_payload(recipes: list) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from ..results import ALREADY_APPLIED, APPLIED, EXIT_OK, FIXED_UPSTREAM, LAYOUT, NO_MATCH, PENDING, SKIPPED, ApplyResult, CIResult, Outcome, Report, StepDoc
-from .console import console
+from .console import console, print_table
 
 STATUS_STYLE = {APPLIED: "green", PENDING: "yellow", ALREADY_APPLIED: "cyan", FIXED_UPSTREAM: "blue", NO_MATCH: "bold red",
                 SKIPPED: "bold red"}
@@ -19,6 +19,12 @@ def _where(step) -> str:
         for a in step.anchors:
             loc = f"{a.path}:{a.line} " if a.path else ""
             parts.append(f"{loc}{a.function}: {a.status}" + (f" ({a.message})" if a.status in (NO_MATCH, SKIPPED) else ""))
+        anchored = {a.path for a in step.anchors}
+        others: dict[str, int] = {}
+        for s in step.sites:  # sites in files no anchor names (model/dflash.py) still show, one line per file
+            if s.path not in anchored and s.status not in (SKIPPED,):
+                others[s.path] = others.get(s.path, 0) + 1
+        parts += [f"{path}: {n} site(s) {next(s.status for s in step.sites if s.path == path)}" for path, n in others.items()]
         shown = {a.path for a in step.anchors if a.status == SKIPPED}
         for s in step.sites:  # a skipped file outside the anchors still shows, once
             if s.status == SKIPPED and s.path not in shown:
@@ -40,7 +46,7 @@ def print_summary(report: Report, command: str, verbose: bool = False, color: st
     table.add_column("where")
     for step in report.steps:
         table.add_row(step.spec.id, f"[{STATUS_STYLE.get(step.status, '')}]{step.status}[/]", _where(step))
-    con.print(table)
+    print_table(con, table)
     if verbose:
         for step in report.steps:
             for s in step.sites:
@@ -57,10 +63,28 @@ def print_summary(report: Report, command: str, verbose: bool = False, color: st
 
 def error_lines(report: Report) -> list[str]:
     """One line per failure in ``report``, cause first: skipped files, then steps that no longer match."""
-    out = [f"skipped {f.path}: {f.error}" for f in report.skipped]
+    by_reason: dict[str, list[str]] = {}
+    for f in report.skipped:
+        by_reason.setdefault(f.error, []).append(f.path)
+    out = []
+    for reason, paths in by_reason.items():  # one line per reason, not one per file
+        names = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+        out.append(f"skipped {names}: {reason}" if len(paths) == 1 else f"skipped {len(paths)} files ({names}): {reason}")
+        if reason.startswith("read-only"):
+            out.append("the tree is read-only here: pass --out DIR to write a patched copy instead")
+    elsewhere: dict[str, list[str]] = {}  # a single file: steps whose anchors are simply in other files
     for s in report.no_match:
-        reasons = "; ".join(a.message for a in s.anchors if a.status == NO_MATCH) or "nothing matched"
+        failed = [a for a in s.anchors if a.status == NO_MATCH]
+        if report.root.is_file() and failed and all(a.path is None and "not defined anywhere" in a.message for a in failed):
+            for a in failed:
+                elsewhere.setdefault(a.function, []).append(s.spec.id)
+            continue
+        reasons = "; ".join(a.message for a in failed) or "nothing matched"
         out.append(f"no-match {s.spec.id}: {reasons}")
+    if elsewhere:
+        steps = sorted({sid for ids in elsewhere.values() for sid in ids})
+        out.insert(0 if not report.skipped else len(out), f"{report.root.name} is a single file: {len(steps)} step(s) anchor to functions "
+                   f"not in it ({', '.join(elsewhere)}); pass the checkout's root folder")
     return out
 
 
@@ -83,8 +107,33 @@ def apply_error_lines(result: ApplyResult) -> list[str]:
 
 
 def check_text(report: Report) -> str:
-    pending = len(report.changed)
-    return (f"{pending} file(s) would change" if pending else "nothing to change") + "\n"
+    """Under check's table: every file that would change, with its pending sites (the runtime copy has none)."""
+    changed = report.changed
+    if not changed:
+        return "nothing to change\n"
+    sites: dict[str, int] = {}
+    for step in report.steps:
+        for s in step.sites:
+            if s.status in (PENDING, APPLIED):
+                sites[s.path] = sites.get(s.path, 0) + 1
+    out = [f"{len(changed)} file(s) would change:"]
+    runtime: dict[str, list] = {}  # the runtime copy: one line per folder it goes to, not one per file
+    for f in changed:
+        parts = f.path.split("/")
+        if RUNTIME_NAME in parts[:-1] or parts[-1] == RUNTIME_NAME + ".py":
+            at = parts.index(RUNTIME_NAME) if RUNTIME_NAME in parts[:-1] else len(parts) - 1
+            runtime.setdefault("/".join(parts[:at] + [parts[at]]), []).append(f)
+            continue
+        what = f"{sites[f.path]} site(s)" if f.path in sites else "new file" if f.original is None else "updated"
+        out.append(f"  {f.path}  {what}")
+    for where, files in runtime.items():
+        new = sum(f.original is None for f in files)
+        what = ", ".join(p for p in (f"{new} new" if new else "", f"{len(files) - new} updated" if len(files) > new else "") if p)
+        out.append(f"  {where}{'/' if not where.endswith('.py') else ''}  ddpatch runtime copy ({what} file(s))")
+    return "\n".join(out) + "\n"
+
+
+RUNTIME_NAME = "_ddpatch_runtime"
 
 
 def demo_text(report: Report, upstream: str, kept: bool) -> str:
@@ -96,8 +145,13 @@ def demo_text(report: Report, upstream: str, kept: bool) -> str:
     return "\n".join(out) + "\n"
 
 
-def revert_text(restored: list[str]) -> str:
-    return f"restored {len(restored)} file(s)\n"
+def revert_text(result) -> str:
+    """``revert``'s lines: what was restored, each later edit it overwrote (and its backup), or that nothing was left to do."""
+    if result.already_reverted:
+        return f"already reverted: the latest apply on this tree was reverted (journal {result.already_reverted}); nothing to do\n"
+    out = [f"overwrote your later edits to {path} (kept as {backup})" for path, backup in result.overwritten]
+    out.append(f"restored {len(result.restored)} file(s)")
+    return "\n".join(out) + "\n"
 
 
 # ----------------------------------------------------------------------------- recipes
@@ -105,7 +159,7 @@ def recipes_text(recipes: list) -> str:
     """``ddpatch recipes list``: one line per recipe, and where it was verified or refused."""
     out = []
     for r in recipes:
-        out.append(f"{r.name:<16} v{r.version}  {r.description.splitlines()[0] if r.description else ''}")
+        out.append(f"{r.name:<16} v{r.version}  {' '.join(r.description.split())}")  # whole sentences, never cut
         if r.verified:
             out.append(f"{'':<16}  verified on: " + ", ".join(f"{t} ({p})" for t, p in r.verified.items()))
         if r.refused:
@@ -136,9 +190,17 @@ def recipe_text(r, docs: list[StepDoc]) -> str:
             if ex.before == ex.after:
                 out.append(_indent(ex.before, "     | "))
             else:
-                out.append(_indent(ex.before, "     - "))
-                out.append(_indent(ex.after, "     + "))
+                out.append(_changes(ex.before, ex.after))
     return "\n".join(out) + "\n"
+
+
+def _changes(before: str, after: str) -> str:
+    """An example as a diff with all its context: unchanged lines once (``|``), only changed ones as ``-``/``+``."""
+    import difflib
+
+    lines = difflib.unified_diff(before.rstrip("\n").splitlines(), after.rstrip("\n").splitlines(), n=10**6, lineterm="")
+    marks = {" ": "     | ", "-": "     - ", "+": "     + "}
+    return "\n".join((marks[line[0]] + line[1:]).rstrip() for line in list(lines)[3:] if line[:1] in marks)
 
 
 def _indent(text: str, prefix: str) -> str:
@@ -146,6 +208,14 @@ def _indent(text: str, prefix: str) -> str:
 
 
 # ----------------------------------------------------------------------------- verify
+def _tested_words(version) -> str:
+    """``inside the tested range`` / ``BELOW the tested range 5.21 <= transformers < 5.26`` (patcher.env)."""
+    from ..env import range_text, tested_range_status
+
+    status = tested_range_status("transformers", version)
+    return f"{status} the tested range" if status == "inside" else f"{status.upper()} the tested range {range_text('transformers')}"
+
+
 def render_verify(outcome: Outcome, color: str = "auto") -> None:
     from rich.table import Table
 
@@ -154,9 +224,10 @@ def render_verify(outcome: Outcome, color: str = "auto") -> None:
     res = outcome.result
     env = res.get("environment", {})
     con.print(
-        f"ddpatch verify · {res.get('tree')} · transformers {env.get('transformers')} · torch {env.get('torch')}"
-        f" · {outcome.seconds:.1f} s"
+        f"ddpatch verify · {res.get('tree')} · transformers {env.get('transformers')} ({_tested_words(env.get('transformers'))})"
+        f" · torch {env.get('torch')} · {outcome.seconds:.1f} s"
     )
+    _verify_setup(con, res)
     checks = Table(box=None, header_style="bold", pad_edge=False)
     for col in ("model", "check", "result", "evidence"):
         checks.add_column(col, overflow="fold")
@@ -165,18 +236,18 @@ def render_verify(outcome: Outcome, color: str = "auto") -> None:
     for m in res.get("models", []):
         for c in m["checks"]:
             checks.add_row(m["model"], c["check"], _mark(c["passed"]), _evidence(c))
-    con.print(checks)
+    print_table(con, checks)
     for m in res.get("models", []):
         if not m.get("methods"):
             continue
         table = Table(box=None, header_style="bold", pad_edge=False, title=None)
         sampled = bool(m.get("sampling"))
-        columns = ["model", "method", "identical", "max |Δlogit| (at)"] + (["distribution p"] if sampled else [])
+        columns = ["model", "method", "identical", "near-ties", "max |Δlogit| (at)"] + (["distribution p"] if sampled else [])
         for col in columns + ["acceptance", "accept histogram", "tok/s", "speedup"]:
             table.add_column(col)
         base = m["baseline"]
         identical = "sampled" if sampled else f"{base['identical_runs']}/{len(base['runs'])}"
-        table.add_row(m["model"], base["method"], identical, "-", *(["-"] if sampled else []), "-", "-",
+        table.add_row(m["model"], base["method"], identical, "-", "-", *(["-"] if sampled else []), "-", "-",
                       f"{base['tokens_per_s']:.1f}", "1.00x")
         for s in m["methods"]:
             hist = " ".join(f"{k}:{v}" for k, v in s.get("acceptance_histogram", {}).items())
@@ -186,6 +257,7 @@ def render_verify(outcome: Outcome, color: str = "auto") -> None:
                 m["model"],
                 s["method"],
                 "sampled" if sampled else f"{s['identical_runs']}/{len(s['runs'])}",
+                str(s.get("near_ties", 0)),
                 dlogit,
                 *dist,
                 f"{s.get('acceptance_mean', 0):.2f}",
@@ -193,11 +265,39 @@ def render_verify(outcome: Outcome, color: str = "auto") -> None:
                 f"{s['tokens_per_s']:.1f}",
                 f"{s.get('speedup', 0):.2f}x",
             )
-        con.print(table)
+        print_table(con, table)
         if m.get("plumbing_figures"):
             con.print("  (tiny random CPU model: speed figures measure plumbing, not model quality)")
-    verdict = "[bold green]PASS[/]: every check passed" if outcome.passed else "[bold red]FAIL[/]: see the failed checks above"
-    con.print(verdict)
+    con.print(verify_verdict(outcome))
+
+
+def _verify_setup(con, res: dict) -> None:
+    """What the verdict was reached with: dtype, device, device_map, attention; the noise floor and tolerance."""
+    loaded = res.get("loaded")
+    if loaded:
+        attn = loaded.get("attn_implementation")
+        if loaded.get("fell_back_from"):
+            attn = f"{attn} (requested {loaded.get('attn_requested')}: unsupported by this model)"
+        con.print(f"  target loaded with: dtype {loaded.get('dtype')} · device {loaded.get('device')} · device_map "
+                  f"{loaded.get('device_map') or 'none'} · attention {attn} · {loaded.get('auto_class')}")
+    for m in res.get("models", []):
+        cal = m.get("calibration")
+        if cal:
+            how = "set by --logit-tolerance" if cal.get("override") is not None else f"{cal['multiple']:g} x floor"
+            con.print(f"  {m['model']}: noise floor {cal['floor']:.2e} in {cal['dtype']}, tolerance {cal['tolerance']:.2e} ({how}), "
+                      f"near-tie ε {cal['epsilon']:.2e}")
+
+
+def verify_verdict(outcome: Outcome) -> str:
+    """PASS, FAIL, or INCONCLUSIVE (only inconclusive checks failed: never a pass)."""
+    if outcome.passed:
+        return "[bold green]PASS[/]: every check passed"
+    failed = [c for c in outcome.checks if not c["passed"]]
+    if failed and all(c.get("inconclusive") for c in failed):
+        command = next((c["float32_command"] for c in failed if c.get("float32_command")), None)
+        text = "; ".join(dict.fromkeys(c["evidence"].split(":")[0] for c in failed))
+        return "[bold yellow]INCONCLUSIVE[/]: " + text + (f"; judge it in float32: {command}" if command else "")
+    return "[bold red]FAIL[/]: see the failed checks above"
 
 
 def _mark(passed: bool) -> str:

@@ -54,7 +54,6 @@ def load_preset(name: str, seed: int, draft_cls, block_size: int, default_init: 
 
 def load_real(cfg: dict, draft_cls):
     import torch
-    from transformers import AutoModelForCausalLM
 
     for key in ("target", "draft"):
         if cfg.get(key) and not Path(cfg[key]).exists():
@@ -63,9 +62,7 @@ def load_real(cfg: dict, draft_cls):
     common = dict(dtype=dtype, local_files_only=True, trust_remote_code=bool(cfg.get("trust_remote_code")))
     if cfg.get("device_map"):
         common["device_map"] = cfg["device_map"]
-    target = AutoModelForCausalLM.from_pretrained(
-        cfg["target"], attn_implementation=cfg.get("attn_implementation") or "sdpa", **common
-    ).eval()
+    target = load_target(cfg["target"], cfg.get("attn_implementation"), common).eval()
     if cfg.get("draft"):
         draft = draft_cls.from_pretrained(cfg["draft"], attn_implementation=cfg.get("draft_attn_implementation") or "sdpa", **common)
     else:
@@ -76,6 +73,57 @@ def load_real(cfg: dict, draft_cls):
     else:
         draft = draft.to(target.get_input_embeddings().weight.device)
     return target, draft.eval(), getattr(draft, "mask_token_id", None)
+
+
+#: The Auto classes a folder's ``architectures`` may map to, in the order transformers' pipelines try them.
+AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForImageTextToText", "AutoModelForVision2Seq", "AutoModel")
+
+
+def auto_class_for(config):
+    """The first Auto class whose mapping holds one of the folder's ``architectures`` (else the first that maps its config)."""
+    import transformers
+
+    wanted = set(getattr(config, "architectures", None) or ())
+    classes = [getattr(transformers, name) for name in AUTO_CLASSES if hasattr(transformers, name)]
+    for auto in classes:
+        mapped = auto._model_mapping.get(type(config), None) if type(config) in auto._model_mapping else None
+        names = {c.__name__ for c in (mapped if isinstance(mapped, (list, tuple)) else [mapped]) if c is not None}
+        if wanted & names:
+            return auto, sorted(wanted & names)[0]
+    for auto in classes:
+        if type(config) in auto._model_mapping:
+            return auto, None
+    return classes[0], None
+
+
+def load_target(folder: str, requested: str | None, common: dict):
+    """The target through the Auto class that maps its ``architectures`` (causal LM, then image-text-to-text),
+    with the requested attention implementation, else sdpa, else eager (``loaded_with`` says which)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=common.get("trust_remote_code", False))
+    auto, arch = auto_class_for(config)
+    tried, errors = [], []
+    for attn in dict.fromkeys([requested or "sdpa", "sdpa", "eager"]):
+        try:
+            model = auto.from_pretrained(folder, attn_implementation=attn, **common)
+        except (ValueError, ImportError) as exc:  # "does not support ... yet", a missing kernel package
+            tried.append(attn)
+            errors.append(str(exc).splitlines()[0][:200])
+            continue
+        model._ddpatch_loaded = {"auto_class": auto.__name__, "architecture": arch, "attn_implementation": attn,
+                                 "attn_requested": requested or "sdpa", "fell_back_from": tried}
+        return model
+    raise ValueError(f"--target {folder}: no attention implementation loads it ({'; '.join(errors)})")
+
+
+def loaded_with(target, cfg: dict) -> dict:
+    """What the verdict was reached with: the report's header."""
+    info = dict(getattr(target, "_ddpatch_loaded", {}))
+    info.update(dtype=str(target.dtype).replace("torch.", ""), device=str(target.get_input_embeddings().weight.device),
+                device_map=cfg.get("device_map") or None)
+    info.setdefault("attn_implementation", getattr(target.config, "_attn_implementation", None))
+    return info
 
 
 def scripted_draft_for(target, draft_cls, block_size: int, dtype):

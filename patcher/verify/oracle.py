@@ -17,7 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from .context import DecodeContext
+
 RANK_PROBS = (0.6, 0.25, 0.15)
+#: Under sampling the scripted draft proposes from the target's logits times this (its temperature halved).
+SAMPLING_SHARPEN = 4.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,14 @@ class Verdict:
         }
 
 
+def cache_given(kwargs: dict):
+    """The transformers cache a forward was called with, found by type, not by keyword: decoders pass
+    ``past_key_values=``, and transformers 5.24+ names it ``cache=`` (``past_key_values=`` is deprecated)."""
+    from transformers.cache_utils import Cache
+
+    return next((v for v in kwargs.values() if isinstance(v, Cache)), None)
+
+
 def compare(expected: Sequence[int], got: Sequence[int]) -> Verdict:
     """Token-identity of two greedy continuations; the first divergence if they differ."""
     expected, got = list(expected), list(got)
@@ -77,7 +89,8 @@ class ScriptedDraft:
     ``q_len`` positions are the block, whose first token is already committed.
     """
 
-    def __init__(self, target, reference: Sequence[int], seed: int, forbidden: Sequence[int] = (), margin: float = 8.0):
+    def __init__(self, target, reference: Sequence[int], seed: int, forbidden: Sequence[int] = (), margin: float = 8.0,
+                 from_distribution: bool = False):
         import torch
 
         self.reference = list(reference)
@@ -88,6 +101,12 @@ class ScriptedDraft:
         self.forbidden = set(int(t) for t in forbidden)
         self.margin = margin
         self.ranks: list[int] = []
+        # under sampling: propose from the target's own next-token logits on the decoder's actual context, sharpened,
+        # so the draft is confident, the target's samples part from it now and then, and partial acceptances happen
+        self.target = target
+        self.from_distribution = from_distribution
+        self.rows = None
+        self.context = DecodeContext(target)  # the decoder's committed path: the script follows it after a near-tie
 
     def _other(self, avoid: set[int]) -> int:
         import torch
@@ -103,6 +122,11 @@ class ScriptedDraft:
 
         z = torch.zeros(self.vocab)
         z += 0.01 * torch.randn(self.vocab, generator=self.gen)
+        if self.rows is not None:
+            z += self.rows[position - 1]
+            for t in self.forbidden:
+                z[t] = z.min() - self.margin
+            return z
         true = self.reference[position] if position < len(self.reference) else self._other(set())
         roll = float(torch.rand((), generator=self.gen))
         rank = 0 if roll < RANK_PROBS[0] else 1 if roll < RANK_PROBS[0] + RANK_PROBS[1] else 2
@@ -128,17 +152,62 @@ class ScriptedDraft:
             return output
         q_len = hidden.shape[1]
         block = positions[0, -q_len:].tolist()
+        if self.from_distribution:
+            self.rows = self._target_rows(block)
+        else:
+            self._follow(block[0])
         rows = [self.logits_for(p) for p in block[1:]]
         scripted = (self.solve @ torch.stack(rows).T).T.to(hidden.dtype).to(hidden.device)
         new = hidden.clone()
         new[0, 1:, :] = scripted
         return (new, *output[1:]) if isinstance(output, tuple) else new
 
+    def _follow(self, start: int) -> None:
+        """Greedy: if the decoder's committed path has left the reference (a near-tie), continue the reference
+        with the target's greedy decoding from that path."""
+        import torch
+
+        from .models import greedy
+
+        prefix = self.context.prefix(start, self.reference)
+        if prefix == self.reference[: len(prefix)]:
+            return
+        device = self.target.get_input_embeddings().weight.device
+        more = max(len(self.reference) - len(prefix), 0) + 8
+        # without a cache: the logits oracle records only the decoder's cached forwards
+        self.reference = prefix + greedy(self.target, torch.tensor([prefix], device=device), more, use_cache=False)
+
+    def _target_rows(self, block: list[int]):
+        """The target's sharpened logits for the block's positions, on the decoder's context (where known, else
+        the reference), each proposal assumed to be the previous row's argmax; indexed by position - 1."""
+        import torch
+
+        ids = self.context.prefix(block[0], self.reference)
+        rows = {}
+        device = self.target.get_input_embeddings().weight.device
+        with torch.inference_mode():
+            for p in block[1:]:
+                z = self.target(torch.tensor([ids], device=device), use_cache=False).logits[0, -1].float().cpu() * SAMPLING_SHARPEN
+                rows[p - 1] = z
+                ids.append(int(z.argmax()))
+        return rows
+
     def attach(self, draft):
-        return draft.register_forward_hook(self, with_kwargs=True)
+        return _Handles([draft.register_forward_hook(self, with_kwargs=True), self.context.attach()])
+
+
+class _Handles:
+    def __init__(self, handles):
+        self.handles = handles
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
 
 
 # ----------------------------------------------------------------------------- the logits oracle
+#: Fixed tolerances for callers that run no calibration (``verify --generate``); ``ddpatch verify``
+#: calibrates its tolerance on the target in each run (``calibration``), float32 keeping 3e-5 as a minimum.
 #: Largest |logit difference| allowed against one from-scratch forward, per dtype. Measured on
 #: known-good runs (full recipe, chain and tree): float32 at most 2.7e-07 on the five presets of
 #: the time (default verify), 3.6e-06 with the sampling presets' sharper logits; on tiny-qwen3_5
@@ -178,7 +247,7 @@ class LogitsRecorder:
         self._handles = []
 
     def _before(self, module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = cache_given(kwargs)
         try:
             self._past = int(cache.get_seq_length()) if cache is not None else 0
         except Exception:  # a cache of another kind: positions must then come from position_ids
@@ -187,7 +256,7 @@ class LogitsRecorder:
     def _after(self, module, args, kwargs, output):
         import torch
 
-        if kwargs.get("past_key_values") is None:  # not a decoding step (a probe, a reference forward)
+        if cache_given(kwargs) is None:  # not a decoding step (a probe, a reference forward)
             return
         ids = args[0] if args else kwargs.get("input_ids")
         logits = getattr(output, "logits", None)
@@ -245,6 +314,7 @@ class LogitsVerdict:
     first_over: int | None  # index into the new tokens of the first position over the tolerance
     tolerance: float
     positions: int  # committed positions compared
+    trace: tuple = ()  # (new-token index, |Δlogit|) per committed position, for plots
 
     @property
     def passed(self) -> bool:
@@ -260,7 +330,8 @@ class LogitsVerdict:
 
     def as_dict(self) -> dict:
         return {"max_abs": self.max_abs, "at": self.at, "first_over": self.first_over,
-                "tolerance": self.tolerance, "positions": self.positions, "passed": self.passed}
+                "tolerance": self.tolerance, "positions": self.positions, "passed": self.passed,
+                "trace": [[i, float(f"{d:.3g}")] for i, d in self.trace]}
 
 
 def reference_logits(target, sequence: Sequence[int]):
@@ -279,16 +350,18 @@ def judge_logits(calls: list[dict], final: Sequence[int], reference, prompt_len:
     Positions are reported as new-token indices: the logits at position p decide new token
     ``p + 1 - prompt_len``. The prompt's own positions (prefill) are compared too.
     """
-    worst, at, first = 0.0, None, None
+    worst, at, first, trace = 0.0, None, None, {}
     rows = committed_rows(calls, final)
     for pos, row in sorted(rows, key=lambda r: r[0]):
         diff = float((row - reference[pos]).abs().max())
         new_index = pos + 1 - prompt_len
+        if new_index >= 0:
+            trace[new_index] = max(trace.get(new_index, 0.0), diff)
         if diff > worst:
             worst, at = diff, new_index
         if diff > tolerance and first is None:
             first = new_index
-    return LogitsVerdict(worst, at, first, tolerance, len(rows))
+    return LogitsVerdict(worst, at, first, tolerance, len(rows), tuple(sorted(trace.items())))
 
 
 # ----------------------------------------------------------------------------- the distributional check

@@ -39,7 +39,9 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
     tree = Path(tree)
     if not tree.is_dir():
         raise VerifyError(f"not a directory: {tree}")
-    for key in ("target", "draft"):
+    for key in ("target", "draft"):  # the child runs in a temporary folder: resolve against the caller's
+        if options.get(key):
+            options[key] = str(Path(options[key]).expanduser().resolve())
         if options.get(key) and not Path(options[key]).exists():
             raise VerifyError(f"--{key} {options[key]} does not exist")
     if options.get("draft") and not options.get("target"):

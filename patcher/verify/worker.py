@@ -179,7 +179,9 @@ def run(cfg: dict) -> dict:
         cfg = {**cfg, "stop_token_ids": stops}
         events.emit("progress", done=0, total=1, label="loaded " + Path(cfg["target"]).name)
         result["models"].append(checks.verify_model(Path(cfg["target"]).name, cfg, fns, target, draft, mask, False, prompts,
-                                             scripted=bool(cfg.get("scripted_draft"))))
+                                             scripted=bool(cfg.get("scripted_draft")),
+                                             choose_mask=bool(cfg.get("scripted_draft")) and not cfg.get("draft")))
+        result["loaded"] = models.loaded_with(target, cfg)
     else:
         for preset in cfg["presets"]:
             target, draft, mask = models.load_preset(preset, cfg["seeds"][0], draft_cls, cfg["block_size"], bool(cfg.get("default_init")),

@@ -1,0 +1,130 @@
+"""The noise floor of the target in this run's dtype and device, and the tolerance it sets.
+
+A speculative decoder scores several tokens in one forward; the reference scores them from
+scratch. Both are exact, so in float32 they agree to about 1e-7; in bfloat16 and float16 the
+two kernel shapes round differently. The floor is measured, not guessed: the same prefix is
+computed two exact ways, one multi-token forward without a cache against token-by-token
+decoding with a cache, over the run's prompts and their greedy continuations. Its largest
+|Δlogit| (never less than one unit in the last place of the largest logit) is the floor.
+
+The logits oracle then allows ``MULTIPLE`` times the floor, and two tokens within that much
+(``epsilon``) are a near-tie. The multiple was picked from measurements
+(docs/verify-precision.md): correct bf16/fp16 runs of the fully patched tree reach at most
+1.1 floors, a broken rollback (the code-shape-only control) 30 to 750.
+
+When the floor is so high that a lossy commit would not stand out (discrete choices, MoE
+routing or a top-k indexer, flipping under half-precision rounding), the verdict is
+*inconclusive in this dtype*: ``conclusive`` says so, and the report names the float32 command.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Tolerance = MULTIPLE x floor (see the module docstring and docs/verify-precision.md).
+MULTIPLE = 4.0
+#: In float32 the presets keep their measured fixed tolerance when it is larger (it was set to see a
+#: broken Mamba2 rollback under transformers' default init): max(FLOAT32_MIN_TOLERANCE, MULTIPLE x floor).
+FLOAT32_MIN_TOLERANCE = 3e-5
+#: A lossy commit moves logits by a sizeable fraction of their spread (the controls measured 0.9 to 6
+#: standard deviations of a position's logits). A tolerance above this fraction of the spread could
+#: hide one: the run cannot judge this model in this dtype.
+CONCLUSIVE_FRACTION = 0.5
+
+
+@dataclass(frozen=True)
+class Calibration:
+    dtype: str
+    floor: float  # largest |Δlogit| between two exact computations (at least one ulp)
+    measured: float  # the measured part, before the ulp minimum
+    ulp: float  # one unit in the last place of the largest logit, in this dtype
+    spread: float  # mean standard deviation of a position's logits
+    positions: int
+    multiple: float
+    tolerance: float
+    override: float | None = None  # --logit-tolerance
+
+    @property
+    def epsilon(self) -> float:
+        """How close two logits may lie and still be a tie under this rounding."""
+        return self.tolerance
+
+    @property
+    def conclusive(self) -> bool:
+        return self.override is not None or self.tolerance <= CONCLUSIVE_FRACTION * self.spread or self.dtype == "float32"
+
+    def describe(self) -> str:
+        text = (f"noise floor {self.floor:.2e} ({self.dtype}, {self.positions} positions: multi-token forward vs "
+                f"token-by-token with a cache; one ulp {self.ulp:.1e}), logit spread {self.spread:.2e}")
+        if self.override is not None:
+            return f"{text}; tolerance {self.tolerance:.2e} set by --logit-tolerance"
+        return f"{text}; tolerance {self.multiple:g} x floor = {self.tolerance:.2e}"
+
+    def as_dict(self) -> dict:
+        return {"dtype": self.dtype, "floor": self.floor, "measured": self.measured, "ulp": self.ulp, "spread": self.spread,
+                "positions": self.positions, "multiple": self.multiple, "tolerance": self.tolerance, "epsilon": self.epsilon,
+                "override": self.override, "conclusive": self.conclusive}
+
+
+def ulp_of(value: float, dtype) -> float:
+    import math
+
+    import torch
+
+    eps = torch.finfo(dtype).eps
+    return eps * 2.0 ** math.floor(math.log2(max(abs(value), 1e-30)))
+
+
+def two_ways(target, prompt, continuation: list[int]):
+    """(multi-token forward logits, token-by-token logits) at the positions that decide ``continuation``."""
+    import torch
+    from transformers import DynamicCache
+
+    n = len(continuation)
+    cont = torch.tensor([continuation], device=prompt.device)
+    with torch.inference_mode():
+        full = target(torch.cat([prompt, cont], dim=1), use_cache=False).logits[0, prompt.shape[1] - 1 : prompt.shape[1] - 1 + n]
+        cache = DynamicCache(config=target.config)
+        rows = [target(prompt, past_key_values=cache, use_cache=True).logits[0, -1]]
+        for i in range(n - 1):
+            rows.append(target(cont[:, i : i + 1], past_key_values=cache, use_cache=True).logits[0, -1])
+    return full.float().cpu(), torch.stack(rows).float().cpu()
+
+
+def calibrate(target, prompts, continuations, override: float | None = None) -> Calibration:
+    import torch
+
+    dtype = target.dtype
+    name = str(dtype).replace("torch.", "")
+    measured, top, spreads, positions = 0.0, 0.0, [], 0
+    for prompt, cont in zip(prompts, continuations):
+        if not cont:
+            continue
+        a, b = two_ways(target, prompt, list(cont))
+        measured = max(measured, float((a - b).abs().max()))
+        top = max(top, float(a.abs().max()))
+        spreads += a.std(dim=-1).tolist()
+        positions += a.shape[0]
+    ulp = ulp_of(top, dtype)
+    floor = max(measured, ulp)
+    tolerance = MULTIPLE * floor
+    if dtype == torch.float32:
+        tolerance = max(tolerance, FLOAT32_MIN_TOLERANCE)
+    if override is not None:
+        tolerance = override
+    spread = sum(spreads) / len(spreads) if spreads else 0.0
+    return Calibration(name, floor, measured, ulp, spread, positions, MULTIPLE, tolerance, override)
+
+
+def float32_command(cfg: dict) -> str:
+    """The command that judges this target in float32 (the inconclusive verdict names it)."""
+    parts = ["ddpatch verify", cfg.get("tree", "PATCHED")]
+    if cfg.get("target"):
+        parts += ["--target", cfg["target"]]
+    if cfg.get("draft"):
+        parts += ["--draft", cfg["draft"]]
+    if cfg.get("scripted_draft"):
+        parts.append("--scripted-draft")
+    if cfg.get("device_map"):
+        parts += ["--device-map", cfg["device_map"]]
+    return " ".join(parts + ["--dtype", "float32"])

@@ -1,0 +1,74 @@
+"""What the decoder has committed so far, read from the target's forwards (hooks only read).
+
+The scripted draft proposes the target's own next tokens. After a near-tie the decoder's path
+parts from the greedy reference, and a script that kept following the reference would be
+rejected every round: the rollback would no longer be exercised. ``DecodeContext`` follows the
+decoder instead. A chain forward feeds committed tokens at their positions (later forwards
+overwrite rejected ones); of a tree forward (a 4D mask), the root is committed, and under greedy
+decoding the accepted path is the chain of children that equal their parent's argmax.
+"""
+
+from __future__ import annotations
+
+
+class DecodeContext:
+    def __init__(self, target):
+        self.target = target
+        self.tokens: dict[int, int] = {}  # position -> committed token
+        self.block_ids = None  # the ids the draft's block was embedded from (its first one is committed)
+        self._handles = []
+
+    def attach(self) -> "DecodeContext":
+        self._handles = [self.target.register_forward_hook(self._after, with_kwargs=True),
+                         self.target.get_input_embeddings().register_forward_hook(self._embedded)]
+        return self
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _embedded(self, module, args, output):
+        if args and hasattr(args[0], "dim") and args[0].dim() == 2:
+            self.block_ids = args[0]
+
+    def _after(self, module, args, kwargs, output):
+        if kwargs.get("past_key_values") is None:  # not a decoding step
+            return
+        ids = args[0] if args else kwargs.get("input_ids")
+        positions = kwargs.get("position_ids")
+        if ids is None or positions is None or ids.dim() != 2:
+            return
+        ids = ids[0].tolist()
+        positions = positions.reshape(-1, positions.shape[-1])[0, -len(ids):].tolist()
+        mask = kwargs.get("attention_mask")
+        if mask is None or mask.dim() != 4:
+            self.tokens.update(zip(positions, ids))
+            return
+        self.tokens[positions[0]] = ids[0]
+        logits = getattr(output, "logits", None)
+        if logits is None or logits.shape[1] != len(ids):
+            return
+        q = len(ids)
+        block = mask[0, 0, -q:, -q:]
+        visible = (block == 0) if block.dtype.is_floating_point else block.bool()
+        parent = {}
+        for j in range(1, q):
+            ancestors = [i for i in range(q) if i != j and bool(visible[j, i])]
+            if ancestors:
+                parent[j] = max(ancestors, key=lambda i: positions[i])
+        node = 0
+        while True:
+            best = int(logits[0, node].argmax())
+            child = next((j for j, p in parent.items() if p == node and ids[j] == best), None)
+            if child is None:
+                return
+            self.tokens[positions[child]] = ids[child]
+            node = child
+
+    def prefix(self, start: int, fallback: list[int]) -> list[int]:
+        """The committed tokens at positions < ``start`` (the fallback where a position was not seen),
+        then the draft block's first (committed) token."""
+        ids = [self.tokens.get(p, fallback[p] if p < len(fallback) else 0) for p in range(start)]
+        first = int(self.block_ids[0, 0]) if self.block_ids is not None else (fallback[start] if start < len(fallback) else 0)
+        return ids + [first]

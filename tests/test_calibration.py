@@ -1,0 +1,196 @@
+"""Verdicts in bfloat16 and float16: the calibrated tolerance, near-ties told from losses, the scripted
+draft's mask id, and target folders of every shape (issue 19).
+
+The fast tests run in-process on tiny models; the end-to-end ones share one verifier process per
+tree and dtype (the machine is small).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from patcher.verify import calibration, checks, models, neartie, oracle
+from patcher.verify.presets import build_target
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPE_ONLY = "verify-forward,tree-commit,draft-sliding-window"
+SMALL = ("--prompts", "1", "--max-new-tokens", "24", "--tree-budgets", "4")
+
+
+def ddpatch(*args, cwd=ROOT, timeout=900):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "patcher.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout, env=env)
+
+
+# ----------------------------------------------------------------------------- calibration
+def test_the_floor_is_measured_and_the_tolerance_is_a_fixed_multiple_of_it():
+    prompts = models.random_prompts(2, 8, 0, 60)
+    for dtype in (torch.bfloat16, torch.float32):
+        target = build_target("tiny-qwen3_5").to(dtype)
+        refs = [models.greedy(target, p, 12) for p in prompts]
+        cal = calibration.calibrate(target, prompts, refs)
+        assert cal.positions == 24 and cal.floor >= cal.ulp > 0
+        if dtype == torch.bfloat16:
+            assert 1e-3 < cal.floor < 2e-2 and cal.tolerance == calibration.MULTIPLE * cal.floor and cal.conclusive
+        else:  # float32 keeps the presets' measured tolerance
+            assert cal.floor < 1e-5 and cal.tolerance == calibration.FLOAT32_MIN_TOLERANCE
+        assert calibration.calibrate(target, prompts, refs, override=0.5).tolerance == 0.5
+
+
+def test_a_floor_too_high_for_a_loss_to_stand_out_is_inconclusive_and_names_the_float32_command():
+    cal = calibration.Calibration("bfloat16", 0.1, 0.1, 0.004, 0.15, 10, calibration.MULTIPLE, 0.4)
+    assert not cal.conclusive
+    command = calibration.float32_command({"tree": "/p", "target": "/t", "scripted_draft": True})
+    assert command == "ddpatch verify /p --target /t --scripted-draft --dtype float32"
+
+
+# ----------------------------------------------------------------------------- near-ties
+@pytest.fixture(scope="module")
+def tied_target():
+    """A target in which tokens 5 and 6 tie within bf16 rounding wherever 5 is the argmax: lm_head row 6
+    is row 5 plus a hair, so the two logits differ by far less than the noise floor."""
+    target = build_target("tiny-llama").to(torch.bfloat16)
+    head = target.get_output_embeddings().weight
+    with torch.no_grad():
+        head[5] = head[40] * 6  # token 5 wins often
+        head[6] = head[5] * (1 - 2**-9)
+    prompt = models.random_prompts(1, 8, 3, 60)[0]
+    reference = models.greedy(target, prompt, 16)
+    assert 5 in reference, reference
+    return target, prompt, reference
+
+
+def _judge(target, prompt, reference, new, epsilon):
+    forced = oracle.reference_logits(target, prompt[0].tolist() + new)
+    return neartie.judge_ties(reference, new, forced, prompt.shape[1], epsilon, max_new_tokens=len(reference))
+
+
+def test_a_planted_near_tie_is_a_near_tie_and_passes(tied_target):
+    target, prompt, reference = tied_target
+    k = reference.index(5)
+    new = reference[:k] + [6]  # the speculative side picked the twin; then it follows the target's own argmax
+    new += models.greedy(target, torch.tensor([prompt[0].tolist() + new]), len(reference) - len(new))
+    verdict = _judge(target, prompt, reference, new, epsilon=0.02)
+    assert verdict.kind == "near-tie" and verdict.ok, verdict.describe()
+    assert verdict.ties[0]["position"] == k and {verdict.ties[0]["argmax"], verdict.ties[0]["emitted"]} == {5, 6}
+    run = {"prompt": 0, "verdict": oracle.compare(reference, new).as_dict(), "ties": verdict.as_dict(), "ties_description": verdict.describe()}
+    check = checks.lossless_check("dflash", [run])
+    assert check["passed"] and "near-tie" in check["evidence"]
+
+
+def test_a_planted_real_loss_at_the_same_position_fails(tied_target):
+    target, prompt, reference = tied_target
+    k = reference.index(5)
+    forced = oracle.reference_logits(target, prompt[0].tolist() + reference)
+    wrong = int(forced[prompt.shape[1] - 1 + k].argmin())  # far from any tie
+    new = reference[:k] + [wrong]
+    new += models.greedy(target, torch.tensor([prompt[0].tolist() + new]), len(reference) - len(new))
+    verdict = _judge(target, prompt, reference, new, epsilon=0.02)
+    assert verdict.kind == "loss" and not verdict.ok and verdict.worst["position"] == k
+    run = {"prompt": 0, "verdict": oracle.compare(reference, new).as_dict(), "ties": verdict.as_dict(), "ties_description": verdict.describe()}
+    assert not checks.lossless_check("dflash", [run])["passed"]
+
+
+def test_the_targets_own_mask_token_is_named_not_called_a_loss():
+    reference, new = [3, 7, 9, 4], [3, 9, 4]  # the decoder dropped the mask id 7
+    verdict = neartie.judge_ties(reference, new, torch.zeros(10, 12), 6, 0.01, mask_token_id=7)
+    assert verdict.kind == "mask-token" and "emitted the drafter's mask token at new token 1" in verdict.describe()
+    run = {"prompt": 0, "verdict": oracle.compare(reference, new).as_dict(), "ties": verdict.as_dict(), "ties_description": verdict.describe()}
+    check = checks.lossless_check("dflash", [run])
+    assert not check["passed"] and check["inconclusive"]
+
+
+def test_the_scripted_mask_id_is_never_emitted_by_the_reference():
+    target = build_target("tiny-llama")
+    with torch.no_grad():  # the last vocabulary id (the old scripted mask) is now the target's favourite
+        target.get_output_embeddings().weight[63] = target.get_output_embeddings().weight[7] * 3
+    prompts = models.random_prompts(2, 8, 0, 63)
+    refs = [models.greedy(target, p, 16) for p in prompts]
+    assert any(63 in r for r in refs)
+    mask = checks.never_emitted(target, prompts, refs)
+    assert all(mask not in r for r in refs)
+
+
+def test_the_sampled_scripted_draft_proposes_from_the_targets_distribution():
+    target = build_target("tiny-qwen3_5")
+    reference = models.random_prompts(1, 12, 0, 60)[0][0].tolist()
+    script = oracle.ScriptedDraft(target, reference, seed=0, from_distribution=True)
+    forced = oracle.reference_logits(target, reference)
+    script.rows = script._target_rows([4, 5, 6])  # a block at positions 4..6 on the reference's context
+    z = script.logits_for(5)
+    assert int(z.argmax()) == int(forced[4].argmax()) and float(z.std()) > 1.5 * float(forced[4].std())
+
+
+# ----------------------------------------------------------------------------- target folders
+def test_vlm_wrapper_and_gpt_oss_folders_load(tmp_path):
+    for name, cls, attn in (("tiny-qwen3_5-vlm", "Qwen3_5ForConditionalGeneration", "sdpa"), ("tiny-gpt-oss", "GptOssForCausalLM", "eager")):
+        build_target(name).save_pretrained(tmp_path / name)
+        target = models.load_target(str(tmp_path / name), None, dict(dtype=torch.bfloat16, local_files_only=True))
+        info = models.loaded_with(target, {})
+        assert type(target).__name__ == cls and info["attn_implementation"] == attn, info
+        assert info["dtype"] == "bfloat16" and info["device"] == "cpu"
+    assert info["fell_back_from"] == ["sdpa"]  # gpt_oss: the fallback is said
+
+
+# ----------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory):
+    base = tmp_path_factory.mktemp("trees")
+    for name, extra in (("full", ()), ("shape", ("--ignore", SHAPE_ONLY, "--allow-lossy"))):
+        proc = ddpatch("apply", ROOT / "vendored" / "ddtree", "--recipe", "qwen3_6-gdn", "--out", base / name, *extra)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    build_target("tiny-qwen3_5").save_pretrained(base / "models" / "qwen3_5")
+    return base
+
+
+def _verify(tree, *args, cwd=ROOT):
+    proc = ddpatch("verify", tree, "--scripted-draft", "--format", "json", *SMALL, *args, cwd=cwd)
+    assert proc.returncode in (0, 1), proc.stderr
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def test_bf16_full_recipe_passes_through_a_relative_target_with_an_html_page(trees):
+    code, payload = _verify(trees / "full", "--target", "models/qwen3_5", "--dtype", "bfloat16", "--html", "page.html", cwd=trees)
+    model = payload["models"][0]
+    assert code == 0, [c for c in model["checks"] if not c["passed"]]
+    assert payload["loaded"]["dtype"] == "bfloat16" and payload["loaded"]["attn_implementation"] == "sdpa"
+    cal = model["calibration"]
+    assert cal["multiple"] == calibration.MULTIPLE and model["logit_tolerance"] == cal["tolerance"] < 0.05
+    page = (trees / "page.html").read_text()
+    assert page.count("<svg") >= 4 and "tolerance" in page and "http" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.slow)])
+def test_the_code_shape_only_control_fails_soon_after_its_first_partial_acceptance(trees, dtype):
+    code, payload = _verify(trees / "shape", "--target", trees / "models" / "qwen3_5", "--dtype", dtype)
+    model = payload["models"][0]
+    assert code == 1 and model["calibration"]["conclusive"]
+    for method in model["methods"]:
+        run = method["runs"][0]
+        assert not run["logits"]["passed"], (method["method"], run["logits"])
+        assert run["first_partial"] is not None and abs(run["logits"]["first_over"] - run["first_partial"]) <= 2, run
+    assert all(not c["passed"] for c in model["checks"] if c["check"].startswith("lossless"))
+
+
+def test_an_inconclusive_run_is_never_a_pass_and_names_the_float32_command():
+    from patcher.report.html import plain_verdict, render_html
+    from patcher.report.json_report import verify_verdict_word
+    from patcher.results import Outcome
+
+    floor = {"check": "noise floor", "passed": False, "inconclusive": True, "evidence": "inconclusive in bfloat16: tolerance ...",
+             "float32_command": "ddpatch verify t --target m --scripted-draft --dtype float32"}
+    model = {"model": "m", "checks": [floor, {"check": "lossless: dflash", "passed": True, "evidence": "1/1"}], "methods": []}
+    outcome = Outcome({"checks": [], "models": [model]}, 1.0)
+    assert not outcome.passed and verify_verdict_word(outcome) == "inconclusive"
+    assert plain_verdict(outcome).startswith("INCONCLUSIVE") and "--dtype float32" in plain_verdict(outcome)
+    assert "INCONCLUSIVE" in render_html(outcome, plain_verdict(outcome))
+    model["checks"][1]["passed"] = False  # a real failure beside it: FAIL
+    assert verify_verdict_word(outcome) == "fail" and plain_verdict(outcome).startswith("FAIL")

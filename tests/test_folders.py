@@ -1,0 +1,80 @@
+"""Every built-in preset, saved with ``save_pretrained`` into a folder as a user's checkpoint, verified
+through ``--target DIR --scripted-draft`` in float32, bfloat16 and (three families, one Mamba2) float16:
+the full recipe passes; the code-shape-only control fails on the stateful ones (issue 19).
+
+Slow: one verifier process per folder and dtype. ``tests/test_calibration.py`` holds the fast ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from patcher.verify.presets import PRESETS, build_target
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPE_ONLY = "verify-forward,tree-commit,draft-sliding-window"
+SMALL = ("--prompts", "1", "--max-new-tokens", "24", "--tree-budgets", "4", "--format", "json")
+#: A finding, not a verifier fault: on the saved tiny-qwen3 folder the never-emitted mask id the scripted draft picks
+#: (14, not the preset's zero-row 63) makes the full recipe lossy: flagged at the first partial acceptance, float32
+#: |Δlogit| 0.049; with mask id 63 it passes. Owner: runtime/recipe (see verify's report of 2026-12-04).
+MASK_ID_FINDING = pytest.mark.xfail(strict=True, reason="full recipe lossy on tiny-qwen3 with a non-zero-row mask id")
+SERVED = [pytest.param(name, marks=MASK_ID_FINDING) if name == "tiny-qwen3" else name
+          for name, p in PRESETS.items() if p.refusal is None and not name.startswith("mid-")]
+#: float16 on three families: Gated DeltaNet, Mamba2, Kimi Delta Attention.
+HALF = ["tiny-qwen3_5", "tiny-nemotron-h", "tiny-kimi-linear"]
+
+pytestmark = pytest.mark.slow
+
+
+def ddpatch(*args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "patcher.cli", *map(str, args)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=900, env=env)
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory):
+    base = tmp_path_factory.mktemp("folders")
+    for name, extra in (("full", ()), ("shape", ("--ignore", SHAPE_ONLY, "--allow-lossy"))):
+        proc = ddpatch("apply", ROOT / "vendored" / "ddtree", "--recipe", "qwen3_6-gdn", "--out", base / name, *extra)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return base
+
+
+def folder(trees: Path, name: str) -> Path:
+    path = trees / "models" / name
+    if not path.exists():
+        build_target(name).save_pretrained(path)
+    return path
+
+
+def verify(tree: Path, target: Path, dtype: str) -> tuple[int, dict]:
+    proc = ddpatch("verify", tree, "--target", target, "--scripted-draft", "--dtype", dtype, *SMALL)
+    assert proc.returncode in (0, 1), proc.stderr
+    payload = json.loads(proc.stdout)
+    return proc.returncode, payload["models"][0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", SERVED)
+def test_every_preset_folder_passes_with_the_full_recipe(trees, name, dtype):
+    code, model = verify(trees / "full", folder(trees, name), dtype)
+    assert code == 0, [c for c in model["checks"] if not c["passed"]]
+    assert model["calibration"]["dtype"] == dtype
+
+
+@pytest.mark.parametrize("name", HALF)
+def test_float16_full_recipe_passes_and_the_control_fails(trees, name):
+    target = folder(trees, name)
+    code, model = verify(trees / "full", target, "float16")
+    assert code == 0, [c for c in model["checks"] if not c["passed"]]
+    code, model = verify(trees / "shape", target, "float16")
+    assert code == 1 and model["calibration"]["conclusive"]
+    flagged = [r for m in model["methods"] for r in m["runs"] if not r["logits"]["passed"]]
+    assert flagged and all(abs(r["logits"]["first_over"] - r["first_partial"]) <= 2 for r in flagged), flagged
