@@ -195,11 +195,64 @@ def test_a_drafter_that_builds_its_own_masks_in_another_file_is_not_wrapped(tmp_
         assert status == "applied" and "draft_forward(drafter," in new
 
 
-def test_a_target_cache_from_a_factory_in_another_file_is_a_no_match(tmp_path):
+def test_a_target_cache_from_a_factory_in_another_file_is_laid_out_by_the_runtime(tmp_path):
+    """What another file's factory builds cannot be read here; the runtime checks the object itself
+    (tests/test_adopt.py): the target's calls go through it, and the factory is left alone."""
     factory = "from transformers import DynamicCache\n\n\ndef make_cache(model):\n    return DynamicCache()\n"
     decoder = DECODER.replace("from transformers import DynamicCache\n", "from transformers import DynamicCache\n\nfrom .caches import make_cache\n")
     decoder = decoder.replace("    target_cache = DynamicCache()\n", "    target_cache = make_cache(target)\n")
     root = _tree(tmp_path, {"dflash/__init__.py": "", "dflash/caches.py": factory, "dflash/model.py": decoder})
     report = run_recipe(RECIPE, root, upstream="dflash")
     status, message = _anchors(report, "target-cache-config")["dflash_generate"]
-    assert status == "no-match" and "make_cache" in message, message
+    assert status == "applied" and "adopt_forward" in message, message
+    new = next(f for f in report.files if f.path == "dflash/model.py").patched
+    assert "out = _ddpatch_runtime.adopt_forward(target, input_ids, past_key_values=target_cache" in new
+    assert not any(f.path == "dflash/caches.py" and f.patched for f in report.files)
+
+
+# ---------------------------------------------------------------- caches whose owner the code does not say (issue 22)
+
+
+def test_a_cache_the_code_does_not_attribute_is_laid_out_by_the_runtime_on_every_target_call(tmp_path):
+    """The caches live in a namespace and the loop is in a helper: no name says which cache is the
+    target's, so every call of the target with one (the prefill here, the verify in the helper, found
+    through the parameter the caller binds) goes through a runtime helper that lays it out."""
+    spaced = (DECODER.replace("from transformers import DynamicCache\n", "from types import SimpleNamespace\n\nfrom transformers import DynamicCache\n")
+              .replace("    target_cache = DynamicCache()\n    draft_cache = DynamicCache()\n",
+                       "    caches = SimpleNamespace(target=DynamicCache(), draft=DynamicCache())\n")
+              .replace("past_key_values=target_cache", "past_key_values=caches.target")
+              .replace("input_ids, target_cache, draft_cache,", "input_ids, caches.target, caches.draft,"))
+    root = _tree(tmp_path, {"dflash/model.py": spaced})
+    report = run_recipe(RECIPE, root, upstream="dflash")
+    status, message = _anchors(report, "target-cache-config")["dflash_generate"]
+    assert status == "applied", message
+    new = next(f for f in report.files if f.path == "dflash/model.py").patched
+    assert "out = _ddpatch_runtime.adopt_forward(target, input_ids, past_key_values=caches.target" in new
+    assert "out = _ddpatch_runtime.verify_forward(verifier, ids, past_key_values=cache," in new
+    assert "DynamicCache(config=" not in new, "no name says whose cache it is: nothing is given a config by guess"
+    (root / "dflash" / "model.py").write_text(new)
+    again = run_recipe(RECIPE, root, upstream="dflash")
+    assert _anchors(again, "target-cache-config")["dflash_generate"][0] in ("already-applied", "patched")
+    assert next(f for f in again.files if f.path == "dflash/model.py").patched in (None, new)
+
+
+def test_one_cache_given_to_both_models_stays_a_no_match(tmp_path):
+    shared = (DECODER.replace("    target_cache = DynamicCache()\n    draft_cache = DynamicCache()\n",
+                              "    caches = SimpleNamespace(shared=DynamicCache())\n")
+              .replace("from transformers import DynamicCache\n", "from types import SimpleNamespace\n\nfrom transformers import DynamicCache\n")
+              .replace("past_key_values=target_cache", "past_key_values=caches.shared")
+              .replace("input_ids, target_cache, draft_cache,", "input_ids, caches.shared, caches.shared,"))
+    report = run_recipe(RECIPE, _tree(tmp_path, {"dflash/model.py": shared}), upstream="dflash")
+    status, message = _anchors(report, "target-cache-config")["dflash_generate"]
+    assert status == "no-match" and "both" in message, message
+
+
+@pytest.mark.parametrize("case,needs", [("basic", False), ("caches_namespace", True), ("adopted_by_ddpatch", True)])
+def test_target_cache_config_needs_the_runtime_only_where_a_target_call_goes_through_it(case, needs):
+    """A config rewrite imports nothing; a call routed through ``adopt_forward`` (new or already there)
+    needs the runtime copied beside the file, even with verify-forward ignored."""
+    from fixture_support import run_codemod
+
+    text = (Path(__file__).parent / "fixtures" / "target-cache-config" / f"{case}.py").read_text()
+    _after, _sites, needs_runtime = run_codemod("target-cache-config", text)
+    assert needs_runtime is needs

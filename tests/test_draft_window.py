@@ -122,3 +122,92 @@ def test_window_edge_is_exact(draft_cls, impl):
     moved = (call(draft_forward, draft, inside, noise) - base).abs().amax(dim=-1)[0]
     assert moved[0] > 1e-3, "the key just inside the window must count"
     assert torch.all(moved[1:] < 1e-5), "later queries are further than the window from it"
+
+
+# ---------------------------------------------------------------- drafters that mask themselves (issue 22)
+
+
+def _draft_class_of(root: Path):
+    sys.path.insert(0, str(root))
+    try:
+        from dflash.model import DFlashDraftModel
+    finally:
+        sys.path.remove(str(root))
+        for name in [n for n in sys.modules if n == "dflash" or n.startswith("dflash.")]:
+            del sys.modules[name]
+    return DFlashDraftModel
+
+
+@pytest.fixture(scope="module", params=["draft-masks-itself", "native-5x"])
+def self_masking_cls(request, tmp_path_factory):
+    """DFlash drafters that mask themselves: the attention builds a causal sliding mask when given
+    none (``draft-masks-itself``, DFlash's newest style), or the model hands each layer its
+    type's mask (``native-5x``)."""
+    from drift.variants import BY_NAME
+
+    variant = BY_NAME[request.param]
+    return _draft_class_of(variant.make(tmp_path_factory.mktemp(request.param) / "src"))
+
+
+def _two_layer_draft(cls, impl: str):
+    torch.manual_seed(0)
+    target = build_target("tiny-qwen3", seed=0)
+    cfg = draft_config(target, cls.config_class, num_layers=2, block_size=BLOCK, sliding_window=WINDOW)
+    cfg.layer_types = ["sliding_attention", "full_attention"]
+    return cls._from_config(cfg, attn_implementation=impl).eval()
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("cached", [0, 6])
+def test_draft_forward_never_replaces_a_mask_the_drafter_builds_itself(self_masking_cls, impl, cached):
+    """Bit for bit: through ``draft_forward`` a self-masking drafter computes exactly what it computes alone."""
+    draft = _two_layer_draft(self_masking_cls, impl)
+    context, noise = inputs(draft)
+    alone = call(plain, draft, context, noise, cached)
+    assert torch.equal(call(draft_forward, draft, context, noise, cached), alone)
+    assert all("forward" not in m.__dict__ for m in draft.modules())
+
+
+def _hand_layers_a_causal_mask(draft):
+    """Make the vendored drafter hand each layer a mask of its own (causal over the keys), as a
+    drafter that builds its masks in its model-level forward does."""
+
+    def hook(module, args, kwargs):
+        hidden, context = args[0], args[1]
+        cache = kwargs.get("past_key_values")
+        past = cache.get_seq_length(module.self_attn.layer_idx) if cache is not None else 0
+        q, k = hidden.shape[1], past + context.shape[1] + hidden.shape[1]
+        q_pos = torch.arange(k - q, k)[:, None]
+        hidden_keys = torch.arange(k)[None, :] > q_pos
+        mask = torch.zeros(q, k, dtype=hidden.dtype).masked_fill(hidden_keys, torch.finfo(hidden.dtype).min)
+        return args, {**kwargs, "attention_mask": mask[None, None]}
+
+    for layer in draft.layers:
+        layer.register_forward_pre_hook(hook, with_kwargs=True)
+    return draft
+
+
+@pytest.mark.parametrize("cached", [0, 6])
+def test_draft_forward_keeps_the_mask_a_drafter_hands_its_layers(draft_cls, cached):
+    draft = _hand_layers_a_causal_mask(make_draft(draft_cls, "sdpa"))
+    context, noise = inputs(draft)
+    assert torch.equal(call(draft_forward, draft, context, noise, cached), call(plain, draft, context, noise, cached))
+
+
+def test_the_patched_self_masking_draft_computes_what_the_unpatched_one_does(tmp_path):
+    """``draft-masks-itself`` patched: draft-sliding-window says fixed-upstream, the draft call is not
+    wrapped, and the patched tree's drafter gives the unpatched one's outputs bit for bit."""
+    from drift import outcome
+    from drift.variants import BY_NAME
+
+    src = BY_NAME["draft-masks-itself"].make(tmp_path / "src")
+    report = outcome.apply(src, tmp_path / "out", tmp_path / "home")
+    assert report.exit_code == 0 and report.statuses["draft-sliding-window"] == "fixed-upstream", report.raw[-2000:]
+    patched = (tmp_path / "out" / "dflash" / "model.py").read_text()
+    assert "draft_forward(" not in patched and "verify_forward(" in patched
+    outputs = []
+    for root in (src, tmp_path / "out"):
+        draft = _two_layer_draft(_draft_class_of(root), "sdpa")
+        context, noise = inputs(draft)
+        outputs.append(call(plain, draft, context, noise, 6))
+    assert torch.equal(*outputs)

@@ -16,7 +16,7 @@ import argparse
 import ast
 import textwrap
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Sequence
 
 import libcst as cst
@@ -44,9 +44,15 @@ class Example:
     before: str
     after: str
     note: str = ""
+    #: The step parameters the example is for (empty: any); ``recipes show`` gives each step the examples of its own.
+    params: dict = field(default_factory=dict, hash=False, compare=False)
 
     def clean(self) -> "Example":
-        return Example(textwrap.dedent(self.before).lstrip("\n"), textwrap.dedent(self.after).lstrip("\n"), self.note)
+        return Example(textwrap.dedent(self.before).lstrip("\n"), textwrap.dedent(self.after).lstrip("\n"), self.note, self.params)
+
+    def fits(self, params: dict) -> bool:
+        """Whether the example shows a step run with ``params``."""
+        return all(params.get(k) == v for k, v in self.params.items())
 
 
 class Step(VisitorBasedCodemodCommand):

@@ -9,7 +9,7 @@ decide by what flows where, never by how a variable is spelled:
   or called with a cache that is already known to be the draft's, or passed to
   ``_ddpatch_runtime.draft_forward``;
 * the **target** is the other model that a function holding a drafter calls with
-  ``past_key_values=`` (or one passed to ``_ddpatch_runtime.verify_forward``, or called
+  ``past_key_values=`` (or one passed to ``_ddpatch_runtime.verify_forward`` or ``adopt_forward``, or called
   with a cache already known to be the target's). A function with no drafter in sight
   names no target: a plain ``model(ids, past_key_values=cache)`` (transformers' own
   generation code is full of them) is nobody's target;
@@ -46,7 +46,7 @@ MODEL = "model"
 ROLE_TRIGGER = r"target_hidden|embed_tokens|get_input_embeddings|hidden_states|" + RUNTIME_MODULE
 
 #: Runtime wrappers that call their first argument: which role that argument has.
-WRAPPERS = {"verify_forward": TARGET, "draft_forward": DRAFTER}
+WRAPPERS = {"verify_forward": TARGET, "adopt_forward": TARGET, "draft_forward": DRAFTER}
 
 
 @dataclass

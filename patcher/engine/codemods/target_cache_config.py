@@ -25,11 +25,21 @@ Statuses and the evidence each rests on:
   ``config=<target>.config`` (``already-applied`` with ddpatch's provenance line), or
   with another expression that reads the target and nothing of the drafter; a shared
   factory gives each cache its own model's config.
+* ``applied`` (at run time) -- where the code does not say which cache is the target's
+  (one factory returning both bare caches, a shared bare factory, caches kept in a dict or
+  a namespace, ``DynamicCache() if ... else ...``, a cache from a call ddpatch cannot read),
+  every call of the target with a cache goes through the runtime:
+  ``_ddpatch_runtime.adopt_forward(target, ...)`` (``verify_forward`` in a decode loop does
+  the same). At the target's first use the runtime gives a cache built without a config the
+  target's layer layout, before any state is written, and refuses in one line a cache that
+  already holds state or was built for another model. The status rests on that object
+  check, not on reading which name is whose.
+* ``already-applied`` -- every such call already goes through ``adopt_forward`` or
+  ``verify_forward``.
 * ``no-match`` (a site with the reason) -- a target cache with a config that does not
-  read the target, positional arguments, a shared factory that builds bare caches or
-  gives the drafter's cache the target's config, one cache given to both models, or a
-  target cache from a call ddpatch cannot see into (another module). An anchor with no
-  site at all is a ``no-match`` too.
+  read the target, positional arguments, a shared factory that gives the drafter's cache
+  the target's config, or one cache given to both models (the runtime cannot undo what
+  the other model wrote). An anchor with no site at all is a ``no-match`` too.
 """
 
 from __future__ import annotations
@@ -40,11 +50,13 @@ from dataclasses import dataclass
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from .base import APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, Step, code, dotted, keyword
+from .base import APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, Step, code, dotted, is_runtime_call, keyword, runtime_call
 from .flow import ROLE_TRIGGER, DRAFT_CACHE, DRAFTER, TARGET, TARGET_CACHE, Fn, ModuleFlow, is_role
 from .flow_prefilter import may_have_roles
 
 CACHE_CLASSES = ("transformers.DynamicCache", "transformers.cache_utils.DynamicCache")
+#: The runtime helpers that lay a target's cache out at its first use (``verify_forward`` adopts too).
+ADOPTERS = ("adopt_forward", "verify_forward")
 
 
 def _config_arg(owner: str) -> cst.Arg:
@@ -71,6 +83,7 @@ class TargetCacheConfig(Step):
     TRIGGERS = (r"DynamicCache",)
     PARAMS: dict = {}
     NEEDS_SCOPE = True
+    USES_RUNTIME = False  # per file: True once a target call goes through the runtime (``_adoptions``)
     METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider)
     EXAMPLES = (
         Example(
@@ -124,6 +137,25 @@ class TargetCacheConfig(Step):
             """,
             "a local class called DynamicCache is not transformers' and is left alone",
         ),
+        Example(
+            """
+            from transformers import DynamicCache
+            def generate(model, target, ids):
+                caches = {"target": DynamicCache(), "draft": DynamicCache()}
+                out = target(ids, past_key_values=caches["target"])
+                model(target_hidden=out.hidden_states, past_key_values=caches["draft"])
+            """,
+            """
+            from transformers import DynamicCache
+            import _ddpatch_runtime
+
+            def generate(model, target, ids):
+                caches = {"target": DynamicCache(), "draft": DynamicCache()}
+                out = _ddpatch_runtime.adopt_forward(target, ids, past_key_values=caches["target"])
+                model(target_hidden=out.hidden_states, past_key_values=caches["draft"])
+            """,
+            "no name says which cache is the target's: the runtime lays the one the target gets out for it at first use",
+        ),
     )
 
     @classmethod
@@ -138,6 +170,9 @@ class TargetCacheConfig(Step):
         super().__init__(context, **params)
         self.rewrites: dict[cst.Call, tuple[list[cst.Arg], str]] = {}
         self.marks: list[tuple[cst.CSTNode, str, str, str | None]] = []
+        self.adopt: dict[cst.Call, tuple[str, str, str]] = {}  # target call -> (callee, cache code, function)
+        self._bare_shared: set[int] = set()  # ids of bare creations a shared factory makes for both models
+        self._routed: set[tuple[str, str]] = set()  # (function, cache code) whose target calls go through the runtime
 
     def is_cache_call(self, node: cst.BaseExpression) -> bool:
         if not isinstance(node, cst.Call):
@@ -149,8 +184,61 @@ class TargetCacheConfig(Step):
         flow = ModuleFlow(node, self.is_cache_call)
         for call, uses in self._creations(flow).items():
             self._decide(flow, call, uses)
+        self._adoptions(flow)
         for fn in flow.fns:
             self._unseen_sources(flow, fn)
+        return True
+
+    # -- caches whose owner the code does not say: the runtime lays them out -------------
+    def _adoptions(self, flow: ModuleFlow) -> None:
+        """Route every call of the target with a cache that no creation here answers for through the runtime."""
+        for fn in flow.fns:
+            for mc in fn.model_calls:
+                if mc.cache is None or not is_role(fn.role(mc.callee), TARGET) or mc.wrapped not in (None, *ADOPTERS):
+                    continue
+                if not self._untraced(flow, fn, mc.cache, set()):
+                    continue
+                if DRAFT_CACHE in fn.role(dotted(mc.cache)):
+                    self.marks.append((mc.call, NO_MATCH, f"one cache `{code(mc.cache)}` is given to both the target and the drafter", fn.name))
+                    continue
+                self._routed.add((fn.name, code(mc.cache)))
+                self.USES_RUNTIME = True
+                if mc.wrapped:
+                    self.marks.append((mc.call, PATCHED, f"the target's call goes through `{mc.wrapped}`, which lays its cache out for it", fn.name))
+                else:
+                    self.adopt[mc.call] = (mc.callee, code(mc.cache), fn.name)
+
+    def _untraced(self, flow: ModuleFlow, fn: Fn, expr: cst.BaseExpression, seen: set) -> bool:
+        """Whether the cache ``expr`` comes from no creation that a status here rests on.
+
+        A ``DynamicCache(...)`` call, or a name assigned one, or a factory's result, is decided
+        where it is built -- except a bare cache that a shared factory builds for both models.
+        Anything else (a subscript, a namespace attribute, a tuple unpacked from a call, a
+        conditional expression, a call ddpatch cannot read) is untraced, and so is a parameter
+        bound to an untraced argument by a caller in this module.
+        """
+        if flow.is_cache_call(expr):
+            return id(expr) in self._bare_shared
+        if isinstance(expr, cst.Call) and dotted(expr.func) in flow.classes:
+            return False  # a class of this module (a local `DynamicCache`, say) is not transformers' cache
+        name = dotted(expr)
+        if name is None or (fn, name) in seen:
+            return name is None
+        seen.add((fn, name))
+        values = fn.assigns.get(name, [])
+        if values:
+            if name in fn.factory_uses:
+                return any(id(c) in self._bare_shared for f, _call in fn.factory_uses[name] for c in flow.creations(f))
+            return any(self._untraced(flow, fn, v, seen) for v in values)
+        if name in fn.params + fn.kwonly:
+            callers = list(flow.callers(fn))
+            if not callers:
+                return False  # the caller of the anchor hands it in: a site of theirs, not ours
+            for caller, call, _loop in callers:
+                for param, arg in flow.bind(fn, call, isinstance(call.func, cst.Attribute)):
+                    if param == name and self._untraced(flow, caller, arg, seen):
+                        return True
+            return False
         return True
 
     # -- where each creation goes ------------------------------------------------------
@@ -252,7 +340,8 @@ class TargetCacheConfig(Step):
     def _shared_factory(self, flow: ModuleFlow, call: cst.Call, uses: list[_Use]) -> None:
         fn = uses[0].fn.name
         if not call.args:
-            self.marks.append((call, NO_MATCH, f"`{fn}` builds a bare cache for both the target and the drafter; only the target's may get a config", fn))
+            # the drafter's cache stays bare; the target's is laid out by the runtime at its first use
+            self._bare_shared.add(id(call))
             return
         target_ok = all(any(is_role(self._reads(flow, u, a), TARGET) for a in call.args) for u in uses if u.role == TARGET_CACHE)
         draft_ok = all(not any(TARGET in self._reads(flow, u, a) for a in call.args) for u in uses if u.role == DRAFT_CACHE)
@@ -264,9 +353,11 @@ class TargetCacheConfig(Step):
             self.marks.append((call, NO_MATCH, f"`{fn}` does not give the target's cache the target's config: `{code(call)}`", fn))
 
     def _unseen_sources(self, flow: ModuleFlow, fn: Fn) -> None:
-        """A target cache that comes out of a call ddpatch cannot read: no status can rest on it."""
+        """A target cache that comes out of a call ddpatch cannot read, and that no target call
+        carries through the runtime: no status can rest on it."""
+        adopted = {cache for where, cache in self._routed if where == fn.name}
         for var, values in fn.assigns.items():
-            if not is_role(fn.role(var), TARGET_CACHE) or var in fn.factory_uses:
+            if not is_role(fn.role(var), TARGET_CACHE) or var in fn.factory_uses or var in adopted:
                 continue
             for value in values:
                 if isinstance(value, cst.Call) and not flow.is_cache_call(value):
@@ -278,6 +369,25 @@ class TargetCacheConfig(Step):
         return updated_node
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        adopted = self.adopt.get(original_node)
+        if adopted is not None:
+            callee, cache, fn = adopted
+            self.record(
+                original_node, APPLIED,
+                f"the code does not say that `{cache}` is the target's alone: `{callee}(...)` goes through `adopt_forward`, "
+                "which gives a cache built without a config the target's layer layout at its first use (and refuses, in "
+                "one line, a cache another model already used)",
+                function=fn,
+            )
+            if any(is_runtime_call(updated_node, helper) for helper in ADOPTERS):
+                return updated_node  # an earlier step already routed it through a helper that adopts
+            first = cst.Arg(updated_node.func)
+            comma = updated_node.args[0].comma if updated_node.args else cst.MaybeSentinel.DEFAULT
+            if isinstance(comma, cst.Comma):
+                first = first.with_changes(comma=comma)
+            return runtime_call(self, "adopt_forward", [first, *updated_node.args]).with_changes(
+                whitespace_before_args=updated_node.whitespace_before_args
+            )
         hit = self.rewrites.get(original_node)
         if hit is None:
             return updated_node

@@ -29,6 +29,13 @@ Statuses and the evidence each rests on:
   local name is built from, or else every class in the tree whose ``forward`` takes
   ``target_hidden`` (all of them must have the evidence). Wrapping such a draft would
   mask it twice.
+* ``fixed-upstream`` (drafter only) -- every windowed attention the drafter's class builds
+  (through its layers: the classes whose ``__init__`` sets ``self.sliding_window``) builds
+  its own sliding-window mask when it is given none: its ``forward`` assigns
+  ``attention_mask`` under ``if attention_mask is None`` from a value that reads
+  ``sliding_window`` (DFlash's newest drafter, causal on its sliding layers). Wrapping it
+  would replace the mask the drafter was trained with; at run time ``draft_forward`` also
+  leaves such a module (and any module handed a mask by its parent) alone.
 * ``no-match`` -- an anchor where no call has the role: the target's verify is not found
   by data flow, so nothing makes the crops exact (verify-forward is the lossless step).
 """
@@ -116,14 +123,81 @@ def masks_itself(cls: ast.ClassDef) -> str | None:
     return f"`{cls.name}.forward` builds its sliding-window masks (`{builder}`) and gives each layer its type's mask (`{chosen}`)"
 
 
+def _method(cls: ast.ClassDef, name: str) -> ast.FunctionDef | None:
+    return next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+
+
+def _built_classes(cls: ast.ClassDef, classes: dict[str, ast.ClassDef]) -> list[ast.ClassDef]:
+    """``cls`` and every class of the module its ``__init__`` builds, transitively (its layers, their attention)."""
+    found, todo = {cls.name: cls}, [cls]
+    while todo:
+        init = _method(todo.pop(), "__init__")
+        for node in ast.walk(init) if init is not None else ():
+            name = _ast_name(node.func) if isinstance(node, ast.Call) else ""
+            if name in classes and name not in found:
+                found[name] = classes[name]
+                todo.append(classes[name])
+    return list(found.values())
+
+
+def _is_none_test(test: ast.expr, name: str) -> bool:
+    return any(
+        isinstance(n, ast.Compare) and isinstance(n.left, ast.Name) and n.left.id == name
+        and isinstance(n.ops[0], ast.Is) and isinstance(n.comparators[0], ast.Constant) and n.comparators[0].value is None
+        for n in ast.walk(test)
+    )
+
+
+def builds_mask_when_none(cls: ast.ClassDef) -> str | None:
+    """Evidence that an attention class builds its own sliding-window mask when none is passed, or None.
+
+    Its ``forward`` takes ``attention_mask`` and, under ``if attention_mask is None ...:``,
+    assigns ``attention_mask`` a value that reads ``sliding_window`` or calls a sliding-mask
+    builder (DFlash's newest drafter: ``_attention_mask(q, k, is_causal=..., sliding_window=...)``).
+    """
+    forward = _method(cls, "forward")
+    if forward is None or "attention_mask" not in [a.arg for a in forward.args.args + forward.args.kwonlyargs]:
+        return None
+    for node in ast.walk(forward):
+        if isinstance(node, ast.If) and _is_none_test(node.test, "attention_mask"):
+            for stmt in node.body:
+                if (
+                    isinstance(stmt, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "attention_mask" for t in stmt.targets)
+                    and ("sliding_window" in ast.unparse(stmt.value) or _MASK_BUILDER.search(_ast_name(stmt.value)))
+                ):
+                    return f"`{cls.name}.forward` builds its own sliding-window mask when none is passed (`{ast.unparse(stmt.value)[:80]}`)"
+    return None
+
+
+def attention_masks_itself(cls: ast.ClassDef, classes: dict[str, ast.ClassDef]) -> str | None:
+    """Evidence that every windowed attention the drafter ``cls`` builds masks itself when given no mask.
+
+    The windowed attentions are the classes ``cls`` builds (through its layers) that set
+    ``self.sliding_window`` -- the modules ``draft_forward`` would give a mask. Every one of
+    them must have the evidence of ``builds_mask_when_none``: wrapping such a draft would
+    replace the mask upstream's drafter builds for itself (causal on its sliding layers, say).
+    """
+    windowed = [
+        c for c in _built_classes(cls, classes)
+        if (init := _method(c, "__init__")) is not None and any(
+            isinstance(n, ast.Attribute) and n.attr == "sliding_window" and isinstance(n.ctx, ast.Store) for n in ast.walk(init)
+        )
+    ]
+    evidence = [builds_mask_when_none(c) for c in windowed]
+    if not windowed or not all(evidence):
+        return None
+    return "; ".join(sorted(set(evidence)))
+
+
 def drafter_classes(tree: ast.Module) -> dict[str, str]:
     """Classes whose ``forward`` takes ``target_hidden``, each with its self-masking evidence ("" if none)."""
+    classes = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
     out = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef):
-            forward = next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "forward"), None)
-            if forward is not None and any(a.arg == "target_hidden" for a in forward.args.args + forward.args.kwonlyargs):
-                out[node.name] = masks_itself(node) or ""
+    for node in classes.values():
+        forward = _method(node, "forward")
+        if forward is not None and any(a.arg == "target_hidden" for a in forward.args.args + forward.args.kwonlyargs):
+            out[node.name] = masks_itself(node) or attention_masks_itself(node, classes) or ""
     return out
 
 
@@ -152,6 +226,27 @@ class WrapCall(Step):
                     out = _ddpatch_runtime.verify_forward(model, ids, past_key_values=cache, use_cache=True)
             """,
             "the target is the model that is not given target_hidden, whatever it is called; the prefill is not a verify",
+            {"role": "target"},
+        ),
+        Example(
+            """
+            def generate(draft, model, ids, cache, draft_cache):
+                out = model(ids, past_key_values=cache)
+                while True:
+                    hidden = draft(target_hidden=out.hidden_states, past_key_values=draft_cache)
+                    out = model(ids, past_key_values=cache, use_cache=True)
+            """,
+            """
+            import _ddpatch_runtime
+
+            def generate(draft, model, ids, cache, draft_cache):
+                out = model(ids, past_key_values=cache)
+                while True:
+                    hidden = _ddpatch_runtime.draft_forward(draft, target_hidden=out.hidden_states, past_key_values=draft_cache)
+                    out = model(ids, past_key_values=cache, use_cache=True)
+            """,
+            "the drafter is the model given target_hidden=; its call in the loop gets the sliding-window masks",
+            {"role": "drafter", "helper": "draft_forward"},
         ),
     )
 
@@ -193,7 +288,10 @@ class WrapCall(Step):
         role = self.params["role"]
         for fn in self.flow.fns:
             for mc in fn.model_calls:
-                if not is_role(fn.role(mc.callee), role) or mc.wrapped:
+                # a target call that only goes through ``adopt_forward`` (target-cache-config) is
+                # still a verify to record: in a decode loop it becomes ``verify_forward``, which adopts too
+                upgrade = role == TARGET and mc.wrapped == "adopt_forward" and self.params["helper"] == "verify_forward"
+                if not is_role(fn.role(mc.callee), role) or (mc.wrapped and not upgrade):
                     continue
                 if role == TARGET and mc.cache is None:
                     continue
@@ -203,7 +301,9 @@ class WrapCall(Step):
                 if evidence:
                     self.record(mc.call, FIXED_UPSTREAM, f"the drafter builds its own sliding-window masks: {evidence}", function=fn.name)
                 else:
-                    self.wrap[mc.call] = mc.callee
+                    # say where the call is, not what the loop is: `for layer in self.layers` is a loop, not the decode loop
+                    where = f"in a loop of `{fn.name}`" if mc.in_loop or not self.params["in_loop"] else f"in `{fn.name}` (called only from loops)"
+                    self.wrap[mc.call] = (mc.callee, where)
         return True
 
     def _only_called_in_loops(self, fn: Fn) -> bool:
@@ -244,11 +344,16 @@ class WrapCall(Step):
             self.record(node, PATCHED, f"call already goes through `{self.params['helper']}`")
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
-        callee = self.wrap.get(original_node)
-        if callee is None:
+        wrapped = self.wrap.get(original_node)
+        if wrapped is None:
             return updated_node
+        callee, where = wrapped
         what = "the target" if self.params["role"] == TARGET else "the drafter"
-        self.record(original_node, APPLIED, f"{what} `{callee}(...)` in the decode loop -> `{self.params['helper']}({callee}, ...)`")
+        self.record(original_node, APPLIED, f"{what} `{callee}(...)` {where} -> `{self.params['helper']}({callee}, ...)`")
+        if is_runtime_call(updated_node, "adopt_forward"):  # already model first: swap the helper, keep the arguments
+            return runtime_call(self, self.params["helper"], updated_node.args).with_changes(
+                whitespace_before_args=updated_node.whitespace_before_args
+            )
         first = cst.Arg(updated_node.func)
         comma = updated_node.args[0].comma if updated_node.args else cst.MaybeSentinel.DEFAULT
         if isinstance(comma, cst.Comma):
