@@ -37,6 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 class Mutant:
     id: str
     group: str
+    #: a file, or a module path without ``.py`` (``patcher/runtime``): then the snippet is looked
+    #: up in ``patcher/runtime.py`` and in every ``patcher/runtime/*.py``, so a module that became
+    #: a package (or the reverse) keeps its mutants
     path: str
     old: str
     new: str
@@ -68,7 +71,25 @@ GROUP_TESTS = {
     "crop": [
         "tests/test_cache_commit.py::test_crop_cache_meaning",
     ],
+    "guards": [
+        "tests/test_guards.py",
+        "tests/test_cache_commit.py",
+    ],
+    "reading": [
+        "tests/test_codemods.py",
+        "tests/test_dataflow.py",
+        "tests/test_drift.py",
+    ],
 }
+
+#: ``-k`` expressions that narrow a group's files to the tests about its code
+GROUP_SELECT = {
+    "reading": "crop and not decodes and not claims and not exit_0 and not masks",
+}
+
+RUNTIME = "patcher/runtime"  # a module or a package: see Mutant.path
+CROP_CODEMOD = "patcher/engine/codemods/crop.py"
+
 
 ATOMIC_BODY = '''    path.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(data, str):
@@ -117,7 +138,8 @@ MUTANTS = [
            "no chmod at all: every written file ends 0600"),
     Mutant("W6", "write", "patcher/engine/files.py", "        Path(tmp).unlink(missing_ok=True)\n        raise\n", "        raise\n",
            "a failed write leaves its temp file in the tree"),
-    Mutant("W7", "write", "patcher/engine/files.py", "            os.fsync(handle.fileno())\n", "",
+    Mutant("W7", "write", "patcher/engine/files.py", "            handle.flush()\n            os.fsync(handle.fileno())\n        os.chmod(tmp, mode)\n",
+           "            handle.flush()\n        os.chmod(tmp, mode)\n",
            "no fsync before the rename",
            equivalent="durability across a power cut: no test can cut the power; the data and the rename are the same"),
     Mutant("W8", "write", "patcher/results.py", "        return (self.patched or \"\").encode(self.encoding)\n",
@@ -129,9 +151,9 @@ MUTANTS = [
            "a UTF-8 BOM is dropped on write"),
     Mutant("W11", "write", "patcher/engine/write.py", "        reason = unwritable(base / f.path)\n", "        reason = None\n",
            "read-only files are not refused"),
-    Mutant("W12", "write", "patcher/api.py", "    blocked = bool(report.no_match or report.skipped) and not allow_partial\n",
-           "    blocked = bool(report.no_match) and not allow_partial\n", "a skipped file does not stop the write"),
-    Mutant("W13", "write", "patcher/engine/journal.py", "        if current is not None and _sha(current) != entry[\"patched_sha256\"] and not force:\n",
+    Mutant("W12", "write", "patcher/api.py", "    blocked = bool(report.no_match or report.skipped) and not allow_partial",
+           "    blocked = bool(report.no_match) and not allow_partial", "a skipped file does not stop the write"),
+    Mutant("W13", "write", "patcher/engine/journal.py", "        if current is not None and _sha(current) != entry[\"patched_sha256\"]:\n",
            "        if False:\n", "revert overwrites files edited since the apply"),
     Mutant("W14", "write", "patcher/engine/journal.py", "        atomic_write(path, original)\n", "        atomic_write(path, original.decode(\"utf-8\", \"replace\"))\n",
            "revert restores text, not the original bytes"),
@@ -139,6 +161,10 @@ MUTANTS = [
            "    wanted = {PurePosixPath(f.path).parent for f in report.files if f.needs_runtime and not f.error}\n",
            "    wanted = {PurePosixPath(f.path).parent for f in report.changed if f.needs_runtime}\n",
            "a stale runtime copy is not refreshed when nothing else changes"),
+    Mutant("W16", "write", "patcher/engine/files.py",
+           "    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f\".{path.name}.\", suffix=\".ddpatch-tmp\")\n",
+           "    fd, tmp = tempfile.mkstemp(prefix=f\".{path.name}.\", suffix=\".ddpatch-tmp\")\n",
+           "the temp file is made in the system's temp folder (M4): the rename may cross filesystems"),
     # ------------------------------------------------------------------ status classification
     Mutant("C1", "classify", "patcher/engine/classify.py", "    if not statuses or NO_MATCH in statuses:\n        return NO_MATCH\n",
            "    if not statuses:\n        return NO_MATCH\n", "a no-match anchor does not make its step no-match"),
@@ -167,19 +193,70 @@ MUTANTS = [
     Mutant("C10", "classify", "patcher/engine/classify.py", "        if SKIPPED in statuses and NO_MATCH not in statuses:\n",
            "        if False:\n", "a step with sites in a skipped file keeps its applied/no-match status"),
     # ------------------------------------------------------------------ crop semantics (runtime.crop_cache's contract)
-    Mutant("R1", "crop", "patcher/runtime.py", "    new_len = length if length >= 0 else current + length\n",
+    Mutant("R1", "crop", RUNTIME, "    new_len = length if length >= 0 else current + length\n",
            "    new_len = length if length > 0 else current + length\n", "crop_cache(cache, 0) keeps everything (contract: keeps nothing)"),
-    Mutant("R2", "crop", "patcher/runtime.py", "    new_len = length if length >= 0 else current + length\n",
+    Mutant("R2", "crop", RUNTIME, "    new_len = length if length >= 0 else current + length\n",
            "    new_len = length if length >= 0 else current - length\n", "a negative count adds instead of dropping"),
-    Mutant("R3", "crop", "patcher/runtime.py", "    new_len = max(0, min(new_len, current))\n", "    new_len = max(0, new_len)\n",
+    Mutant("R3", "crop", RUNTIME, "    new_len = max(0, min(new_len, current))\n", "    new_len = max(0, new_len)\n",
            "no clamp past the end",
            equivalent="_cut clamps the drop count to [0, current] itself, so crop_cache keeps its contract without this clamp (test_crop_cache_meaning's past-the-end and negative-past cases pass either way)"),
-    Mutant("R4", "crop", "patcher/runtime.py", "    new_len = max(0, min(new_len, current))\n", "    new_len = min(new_len, current)\n",
+    Mutant("R4", "crop", RUNTIME, "    new_len = max(0, min(new_len, current))\n", "    new_len = min(new_len, current)\n",
            "dropping more than the cache holds is not clamped at 0",
            equivalent="_cut clamps the drop count to [0, current] itself, so crop_cache keeps its contract without this clamp (test_crop_cache_meaning's past-the-end and negative-past cases pass either way)"),
-    Mutant("R5", "crop", "patcher/runtime.py", "    new_len = length if length >= 0 else current + length\n",
+    Mutant("R5", "crop", RUNTIME, "    new_len = length if length >= 0 else current + length\n",
            "    new_len = current + length if length >= 0 else length\n", "the two meanings swapped"),
+    # ------------------------------------------------------------------ the runtime's guards (issue 22: M1, M2)
+    Mutant("G1", "guards", RUNTIME,
+           "                if keep[0] != 0 or any(parents[b] != a for a, b in zip(keep, keep[1:])):\n"
+           "                    raise ValueError(f\"ddpatch: kept tree nodes {keep} are not a root-to-node path\")\n",
+           "                pass\n", "a tree keep need not be a root-to-node path (M1: compact_cache(cache, 5, [0, 1, 4]) commits a wrong branch)"),
+    Mutant("G2", "guards", RUNTIME,
+           "                if keep[0] != 0 or any(parents[b] != a for a, b in zip(keep, keep[1:])):\n",
+           "                if keep[0] != 0:\n", "a tree keep is checked for its root only, not for parent links"),
+    Mutant("G3", "guards", RUNTIME,
+           "            if keep != list(range(n)):\n                raise ValueError(f\"ddpatch: a chain verify can only keep a prefix, got {keep}\")\n",
+           "", "a chain keep need not be a prefix (M2: [0, 2] commits tokens 0 and 1)"),
+    Mutant("G4", "guards", RUNTIME,
+           "    if record.mode == \"tree\" and keep > 1 and not _tree_prefix_is_path(record, keep):\n",
+           "    if False:\n", "a tree verify cut back by a plain crop commits its first nodes as if they were a path"),
+    Mutant("G5", "guards", RUNTIME, "    return all(parents[i] == i - 1 for i in range(1, len(parents)))\n",
+           "    return all(parents[i] < i for i in range(1, len(parents)))\n",
+           "any tree counts as a chain, so a crop of a branching tree verify guesses a path"),
+    Mutant("G6", "guards", RUNTIME, "    if keep < 0:\n        _set_record(cache, None)\n",
+           "    if False:\n        _set_record(cache, None)\n", "a cut below the verify's start is not refused"),
+    # ------------------------------------------------------------------ crop-compat's reading of a local (M3)
+    Mutant("D1", "reading", CROP_CODEMOD, "            results = [self.meaning(fn, v, seen) for v in fn.assigns[name]]\n",
+           "            results = [self.meaning(fn, v, seen) for v in fn.assigns[name][:1]]\n",
+           "first assignment wins: `n = keep; if exact: n = keep - cache.get_seq_length()` reads as a length"),
+    Mutant("D2", "reading", CROP_CODEMOD, "            results = [self.meaning(fn, v, seen) for v in fn.assigns[name]]\n",
+           "            results = [self.meaning(fn, v, seen) for v in fn.assigns[name][-1:]]\n",
+           "last assignment wins"),
+    Mutant("D3", "reading", CROP_CODEMOD, "            kind = _combine({k for k, _ in results})\n            if kind == AMBIGUOUS:\n"
+           "                return AMBIGUOUS, f\"`{name}` is assigned both",
+           "            kind = results[0][0]\n            if kind == AMBIGUOUS:\n                return AMBIGUOUS, f\"`{name}` is assigned both",
+           "a local's readings are not combined: the first decides"),
+    Mutant("D4", "reading", CROP_CODEMOD,
+           "        if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.Subtract) and _seq_length_call(expr.right):\n",
+           "        if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.Subtract):\n",
+           "any subtraction reads as a 5.x count (`start - 1` left alone as a count)"),
+    Mutant("D5", "reading", CROP_CODEMOD,
+           "            if not results:\n                return LENGTH, f\"`{name}` (a parameter: 4.x code passes lengths)\"\n",
+           "            if True:\n                return LENGTH, f\"`{name}` (a parameter: 4.x code passes lengths)\"\n",
+           "a helper's parameter is always a length, whatever its callers pass"),
 ]
+
+
+def locate(tree: Path, m: Mutant) -> tuple[Path | None, str]:
+    """The one file of ``tree`` that holds ``m.old`` exactly once, or (None, why it is stale)."""
+    if m.path.endswith(".py"):
+        candidates = [tree / m.path]
+    else:
+        candidates = [tree / f"{m.path}.py", *sorted((tree / m.path).glob("*.py"))]
+    counts = {p: p.read_text(encoding="utf-8").count(m.old) for p in candidates if p.is_file()}
+    hits = [p for p, n in counts.items() if n]
+    if len(hits) == 1 and counts[hits[0]] == 1:
+        return hits[0], ""
+    return None, f"text found {sum(counts.values())} times in {len(hits)} of {len(counts)} files"
 
 
 # ----------------------------------------------------------------------------- running
@@ -189,12 +266,12 @@ def copy_checkout(dest: Path) -> Path:
     return dest
 
 
-def run_tests(tree: Path, tests: list[str], timeout: float, verbose: bool) -> tuple[bool, str, float]:
+def run_tests(tree: Path, tests: list[str], timeout: float, verbose: bool, select: str | None = None) -> tuple[bool, str, float]:
     """(passed, the first failing test, seconds); the copy's ``patcher`` is the one imported."""
     present = [t for t in tests if (tree / t.split("::")[0]).exists()]
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1",
            "DDPATCH_HOME": str(tree / ".ddpatch-home")}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *present]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", *present, *(["-k", select] if select else [])]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
@@ -220,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
               and (not args.only or m.id in {x.strip() for x in args.only.split(",")})]
     if args.list:
         for m in chosen:
-            print(f"{m.id:<4} {m.group:<9} {m.path:<27} {m.what}")
+            print(f"{m.id:<4} {m.group:<9} {m.path:<33} {m.what}")
         return 0
     results = []
     with tempfile.TemporaryDirectory(prefix="ddpatch-mutants-") as tmp:
@@ -228,21 +305,21 @@ def main(argv: list[str] | None = None) -> int:
         for group in [g for g in GROUP_TESTS if any(m.group == g for m in chosen)]:
             tests = GROUP_TESTS[group]
             if not args.no_baseline:
-                ok, failed, seconds = run_tests(tree, tests, args.timeout, args.verbose)
+                ok, failed, seconds = run_tests(tree, tests, args.timeout, args.verbose, GROUP_SELECT.get(group))
                 print(f"[{group}] baseline: {'pass' if ok else 'FAIL ' + failed} ({seconds:.0f} s)", flush=True)
                 if not ok:
                     results += [(m, "baseline-fails", failed, 0.0) for m in chosen if m.group == group]
                     continue
             for m in (m for m in chosen if m.group == group):
-                path = tree / m.path
-                original = path.read_text(encoding="utf-8")
-                if original.count(m.old) != 1:
-                    results.append((m, "stale", f"text found {original.count(m.old)} times", 0.0))
-                    print(f"  {m.id:<4} stale     {m.what}", flush=True)
+                path, why = locate(tree, m)
+                if path is None:
+                    results.append((m, "stale", why, 0.0))
+                    print(f"  {m.id:<4} stale     {m.what} ({why})", flush=True)
                     continue
+                original = path.read_text(encoding="utf-8")
                 path.write_text(original.replace(m.old, m.new), encoding="utf-8")
                 try:
-                    ok, failed, seconds = run_tests(tree, tests, args.timeout, args.verbose)
+                    ok, failed, seconds = run_tests(tree, tests, args.timeout, args.verbose, GROUP_SELECT.get(group))
                 finally:
                     path.write_text(original, encoding="utf-8")  # always restored, even on Ctrl-C
                 outcome = "survived" if ok else "killed"

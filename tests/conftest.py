@@ -6,13 +6,29 @@ machine. Explore new random examples with ``HYPOTHESIS_PROFILE=dev python3 -m py
 a failure there prints a ``@reproduce_failure`` blob to paste into the test.
 
 ``-m "not slow"`` is the fast day-to-day subset (see README); .ci/run runs everything.
+
+Parallel workers (pytest-xdist, ``-n auto --dist loadgroup`` in pyproject's addopts; ``-n 0``
+runs in one process): every test is grouped with the rest of its file, so a file's
+module-scoped fixtures (a patched tree, a built model) are made once, on one worker; the drift
+suite is grouped per variant instead (a variant's apply is shared by its fast and slow tests),
+so its 30-odd variants spread over the workers. Each worker gets its own ``DDPATCH_HOME`` and
+one torch thread.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 
+import pytest
 from hypothesis import HealthCheck, settings
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers on two cores: intra-op threads would only fight each other
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
 
 settings.register_profile(
     "ci",
@@ -30,3 +46,35 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def _group(item) -> str:
+    """The xdist group of a test: its variant for the drift suite, else its file."""
+    path = item.nodeid.split("::")[0]
+    variant = getattr(getattr(item, "callspec", None), "params", {}).get("variant")
+    if path.endswith("test_drift.py") and variant is not None:
+        return f"{path}::{getattr(variant, 'name', variant)}"
+    return path
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_ddpatch_home():
+    """A journal folder per test session (per xdist worker): parallel runs never share
+    ``~/.cache/ddpatch``, and a test run never writes there. Tests that set DDPATCH_HOME
+    themselves (monkeypatch) still win."""
+    if os.environ.get("DDPATCH_HOME"):
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="ddpatch-test-home-") as home:
+        os.environ["DDPATCH_HOME"] = home
+        try:
+            yield
+        finally:
+            os.environ.pop("DDPATCH_HOME", None)

@@ -5,6 +5,12 @@ expected output and ``<case>.py.status`` the expected sites, one ``LINE STATUS``
 (the statuses a user sees: a site whose code already has the step's output form is
 ``already-applied`` when the fixture carries ddpatch's provenance line for the step, else
 ``fixed-upstream``).
+
+The ``.py.out`` and ``.py.status`` files were first written by running the codemod itself
+(``python tests/fixture_support.py --write``): they are what the code did when they were
+made, so they are expectations only because someone reviewed them. See tests/fixtures/README.md
+for how to add and review one; ``python tests/fixture_support.py [CASE ...]`` shows, as a
+diff, what the codemod would change in them today without writing anything.
 """
 
 from __future__ import annotations
@@ -56,10 +62,34 @@ def cases():
     return [(d.name, p) for d in sorted(FIXTURES.iterdir()) if d.is_dir() for p in sorted(d.glob("*.py"))]
 
 
-if __name__ == "__main__":  # regenerate the expected outputs and statuses; review the diff before committing
+def main(argv: list[str]) -> int:
+    """Show (default) or ``--write`` what the codemod makes of each fixture, for review."""
+    import difflib
+
+    write = "--write" in argv
+    chosen = [a for a in argv if a != "--write"]
+    changed = 0
     for codemod, path in cases():
+        name = str(path.relative_to(FIXTURES))
+        if chosen and not any(name.startswith(c) for c in chosen):
+            continue
         text = path.read_text()
         new, sites, _ = run_codemod(codemod, text, **params_of(text))
-        path.with_suffix(".py.out").write_text(new)
-        path.with_suffix(".py.status").write_text("".join(line + "\n" for line in statuses(codemod, text, sites)))
-        print(path.relative_to(FIXTURES))
+        wanted = {".py.out": new, ".py.status": "".join(line + "\n" for line in statuses(codemod, text, sites))}
+        for suffix, content in wanted.items():
+            target = path.with_suffix(suffix)
+            old = target.read_text() if target.exists() else ""
+            if old == content:
+                continue
+            changed += 1
+            print("".join(difflib.unified_diff(old.splitlines(True), content.splitlines(True), name + suffix, name + suffix + " (now)")))
+            if write:
+                target.write_text(content)
+    print(f"{changed} file(s) {'written' if write else 'would change (run with --write to write them)'}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

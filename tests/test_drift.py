@@ -11,7 +11,8 @@ For each variant:
   tiny-qwen3_5-vlm (**apply exits 0 => lossless**: a green status that ships wrong tokens is
   the failure this suite exists for), or exits 2, and then ``check`` exits 2 with a no-match
   that names its file and function;
-* the outcome is the one recorded for it in ``tests/drift/README.md``, so that a change
+* the outcome is the one recorded for it in ``tests/drift/README.md`` and ``variants.py``,
+  exactly (one outcome per variant, and for a no-match exactly its sites), so that a change
   either way (a new false no-match, or a no-match that became silent) is caught.
 """
 
@@ -27,10 +28,20 @@ import torch
 
 from drift import outcome, semantics
 from drift import transforms as t
-from drift.variants import BY_NAME, LOSSLESS, VARIANTS, VENDORED, all_parse
+from drift.variants import BY_NAME, LOSSLESS, VARIANTS, VENDORED, NoMatch, Variant, all_parse
 
-# DDPATCH_DRIFT_ONLY=name,name runs only those variants (a quick loop while fixing one of them)
-_ONLY = {n for n in os.environ.get("DDPATCH_DRIFT_ONLY", "").split(",") if n}
+
+def only_variants(value: str) -> set[str]:
+    """DDPATCH_DRIFT_ONLY=name,name runs only those variants (a quick loop while fixing one of
+    them). A name that is no variant is an error, not a filter that silently skips everything."""
+    names = {n.strip() for n in value.split(",") if n.strip()}
+    unknown = sorted(names - set(BY_NAME))
+    if unknown:
+        raise pytest.UsageError(f"DDPATCH_DRIFT_ONLY names no variant {unknown}; variants: {', '.join(BY_NAME)}")
+    return names
+
+
+_ONLY = only_variants(os.environ.get("DDPATCH_DRIFT_ONLY", ""))
 PARAMS = [pytest.param(v, id=v.name) for v in VARIANTS if not _ONLY or v.name in _ONLY]
 
 
@@ -43,14 +54,29 @@ def _record(variant, **fields) -> None:
 
 
 @pytest.fixture(scope="module")
-def applied(tmp_path_factory):
-    """``applied(variant) -> (src, out, apply report)``, each variant built and applied once per module."""
+def made(tmp_path_factory):
+    """``made(variant) -> root``: each variant's unpatched copy, built once per module (per xdist
+    worker) and only read from then on (claims, the unpatched decode, apply's source)."""
+    base = tmp_path_factory.mktemp("drift-src")
+    roots: dict[str, Path] = {}
+
+    def make(variant):
+        if variant.name not in roots:
+            roots[variant.name] = variant.make(base / variant.name)
+        return roots[variant.name]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def applied(tmp_path_factory, made):
+    """``applied(variant) -> (src, out, apply report)``, each variant applied once per module."""
     base = tmp_path_factory.mktemp("drift")
     done: dict[str, tuple[Path, Path, outcome.Report]] = {}
 
     def run(variant):
         if variant.name not in done:
-            src = variant.make(base / variant.name / "src")
+            src = made(variant)
             out = base / variant.name / "out"
             done[variant.name] = (src, out, outcome.apply(src, out, base / "home"))
         return done[variant.name]
@@ -63,16 +89,16 @@ def applied(tmp_path_factory):
 
 
 @pytest.mark.parametrize("variant", PARAMS)
-def test_variant_is_what_it_claims(variant, tmp_path):
-    root = variant.make(tmp_path / variant.name)
+def test_variant_is_what_it_claims(variant, made):
+    root = made(variant)
     all_parse(root)
     variant.claims(root, variant.original)
 
 
 @pytest.mark.parametrize("variant", PARAMS)
-def test_unpatched_variant_still_decodes_on_full_attention(variant, tmp_path):
+def test_unpatched_variant_still_decodes_on_full_attention(variant, made):
     """On tiny-qwen3 (no recurrent state) the unpatched code is exact: a transform that broke it shows here."""
-    root = variant.make(tmp_path / variant.name)
+    root = made(variant)
     runs = semantics.decode_unpatched(root, variant.base)
     for method, (expected, got) in runs.items():
         assert got == expected, f"{variant.name}: the unpatched {method} decoder no longer decodes greedily; the transform broke it"
@@ -85,29 +111,32 @@ def test_unpatched_variant_still_decodes_on_full_attention(variant, tmp_path):
 def test_apply_outcome_is_the_recorded_one(variant, applied):
     src, out, rep = applied(variant)
     _record(variant, apply=rep.exit_code, statuses=rep.statuses, no_match=rep.no_match_sites(), error=rep.error)
-    assert rep.exit_code in (0, 2), f"apply exited {rep.exit_code}: {rep.error or rep.raw[-1500:]}"
+    assert rep.exit_code in (0, outcome.EXIT_NO_MATCH), f"apply exited {rep.exit_code}: {rep.error or rep.raw[-1500:]}"
     if rep.exit_code == 0:
-        assert LOSSLESS in variant.expected, (
-            f"apply exits 0 where README.md records {[str(e) for e in variant.expected]}: statuses {rep.statuses}"
+        assert variant.lossless, (
+            f"{variant.name}: apply exits 0 (and writes) where README.md records {variant.describe_expected()}: "
+            f"statuses {rep.statuses}"
         )
+        assert not rep.sites("no-match"), "apply exits 0 with a no-match site"
         for step, status in variant.statuses.items():
             assert rep.statuses.get(step) == status, f"{step}: {rep.statuses.get(step)}, expected {status}"
         return
+    assert not variant.lossless, (
+        f"{variant.name}: recorded lossless, but apply exits {rep.exit_code} with no-match {rep.no_match_sites()}"
+        + (f", error {rep.error}" if rep.error else "")
+    )
     # a no-match stops apply before anything is written, and check says the same, naming the site
     assert not out.exists() or not any(out.iterdir()), "apply wrote files although a step is no-match"
     chk = outcome.check(src, applied.home)
     _record(variant, check=chk.exit_code, check_no_match=chk.no_match_sites())
-    assert chk.exit_code == 2, f"apply exits 2 but check exits {chk.exit_code}: {chk.error or chk.statuses}"
+    assert chk.exit_code == rep.exit_code, f"apply exits {rep.exit_code} but check exits {chk.exit_code}: {chk.error or chk.statuses}"
+    assert not chk.error and not rep.error, f"an error line instead of a no-match: {chk.error or rep.error}"
     sites = chk.sites("no-match")
-    assert sites or chk.error, "check exits 2 without a no-match or an error line"
     for site in sites:
         assert outcome.names_site(site), f"a no-match that names no site: {site}"
-    wanted = [e for e in variant.expected if e != LOSSLESS]
-    assert any(outcome.matches(s, e) for s in sites for e in wanted), (
-        f"{variant.name}: expected {[str(e) for e in variant.expected]}, got no-match {chk.no_match_sites()}"
-        + (f", error {chk.error}" if chk.error else "")
-    )
-
+    assert chk.no_match_sites() == rep.no_match_sites(), "check and apply disagree on the no-match sites"
+    problems = outcome.unexpected_no_matches(sites, variant.expected)
+    assert not problems, f"{variant.name}: expected exactly {variant.describe_expected()}; {'; '.join(problems)}"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", PARAMS)
@@ -120,6 +149,9 @@ def test_apply_exit_0_means_lossless(variant, applied):
     assert result.passed, f"FALSE GREEN: apply exited 0 with statuses {rep.statuses}, but verify: {result.describe()}"
     missing = outcome.required_lossless(variant.base) - result.lossless
     assert not missing, f"verify passed without checking {sorted(missing)}: a pass that proves nothing"
+    # lossless only means something where blocks were accepted in part (the rollback had work to do)
+    unexercised = outcome.required_lossless(variant.base) - result.partial
+    assert not unexercised, f"no partial acceptance in {sorted(unexercised)}: the rollback was never exercised there"
 
 
 # ---------------------------------------------------------------- the 5.x-native draft's own masks
@@ -174,6 +206,44 @@ def test_native_draft_masks_equal_draft_forward_windowing(impl, tmp_path):
     assert unmasked_differs, "the context outgrew the window yet an unmasked draft gives the same output: the test cannot fail"
 
 
+# ---------------------------------------------------------------- the table itself is exact
+
+
+def test_a_no_match_expectation_is_exact():
+    """What the outcome test relies on: a no-match matches its own site only."""
+    site = {"step": "target-cache-config", "path": "dflash/model.py", "function": "dflash_generate"}
+    assert outcome.matches(site, NoMatch("target-cache-config", "dflash/model.py", "dflash_generate"))
+    assert outcome.matches(site, NoMatch("target-cache-config", "model.py", "dflash_generate"))
+    for wrong in (NoMatch("verify-forward", "dflash/model.py", "dflash_generate"),
+                  NoMatch("target-cache-config", "dflash/model.py", "_new_cache"),
+                  NoMatch("target-cache-config", "el.py", "dflash_generate"),
+                  NoMatch("target-cache-config", None, "dflash_generate")):
+        assert not outcome.matches(site, wrong), wrong
+    gone = {"step": "tree-commit", "path": None, "function": "compact_dynamic_cache"}
+    assert outcome.matches(gone, NoMatch("tree-commit", None, "compact_dynamic_cache"))
+    with pytest.raises(ValueError):
+        NoMatch("tree-commit", "", "compact_dynamic_cache")  # "" would be a suffix of every path
+    expected = (NoMatch("target-cache-config", "dflash/model.py", "dflash_generate"),)
+    assert outcome.unexpected_no_matches([site], expected) == []
+    extra = {"step": "verify-forward", "path": "dflash/model.py", "function": "dflash_generate"}
+    assert outcome.unexpected_no_matches([site, extra], expected) == ["extra: verify-forward at dflash/model.py:dflash_generate"]
+    assert outcome.unexpected_no_matches([], expected) == [f"missing: {expected[0]}"]
+
+
+def test_every_variant_has_exactly_one_outcome():
+    for v in VARIANTS:
+        assert v.lossless or all(isinstance(e, NoMatch) for e in v.expected), v.name
+    with pytest.raises(ValueError, match="one outcome"):
+        Variant("both", "x", "dflash", lambda root: None, lambda root, original: None,
+                expected=(LOSSLESS, NoMatch("target-cache-config", "dflash/model.py", "dflash_generate")))
+
+
+def test_a_typo_in_drift_only_is_an_error():
+    with pytest.raises(pytest.UsageError, match="names no variant"):
+        only_variants("native-5x,native5x")
+    assert only_variants("native-5x, seed-sed") == {"native-5x", "seed-sed"} and only_variants("") == set()
+
+
 # ---------------------------------------------------------------- the transforms fail loudly
 
 
@@ -192,6 +262,15 @@ def test_a_transform_whose_anchor_is_gone_fails_loudly(tmp_path):
 
 def test_readme_records_every_variant():
     readme = (Path(__file__).parent / "drift" / "README.md").read_text()
-    rows = {line.split("|")[1].strip().strip("`") for line in readme.splitlines() if line.startswith("| `")}
-    missing = {v.name for v in VARIANTS} - rows
+    rows = {line.split("|")[1].strip().strip("`"): line.split("|")[-2].strip()
+            for line in readme.splitlines() if line.startswith("| `")}
+    missing = {v.name for v in VARIANTS} - set(rows)
     assert not missing, f"tests/drift/README.md has no expected-outcome row for {sorted(missing)}"
+    for v in VARIANTS:  # the README's last column says the same outcome as variants.py
+        said = rows[v.name]
+        if v.lossless:
+            assert said.startswith(("lossless", "as `native-5x`")), f"{v.name}: README says {said!r}"
+        else:
+            assert said.startswith("no-match") and " or " not in said, f"{v.name}: README says {said!r}"
+            for e in v.expected:
+                assert f"{e.step}" in said and f"{e.function}" in said, f"{v.name}: README's {said!r} lacks {e}"

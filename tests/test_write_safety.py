@@ -137,6 +137,29 @@ def test_apply_that_fails_inside_a_write_leaves_whole_files_one_error_line_and_r
         assert {p.name: p.read_bytes() for p in tree.iterdir()} == before
 
 
+def test_the_temp_file_is_made_beside_its_target_so_the_rename_is_atomic(tmp_path, monkeypatch):
+    """``os.replace`` is atomic only within one filesystem: a temp file made in the system's
+    temp folder (``mkstemp`` without ``dir=path.parent``) may cross devices and fail with EXDEV,
+    or, with a copy fallback, not be atomic at all. The temp file must sit beside its target."""
+    renames = []
+    real_replace = os.replace
+
+    def spy(src, dst, *args, **kwargs):
+        renames.append((Path(src), Path(dst)))
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", spy)
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    for target in (tree / "model.py", tree / "sub" / "_ddpatch_runtime.py"):
+        atomic_write(target, "x = 1\n")
+        assert target.read_text() == "x = 1\n"
+    assert [dst for _, dst in renames] == [tree / "model.py", tree / "sub" / "_ddpatch_runtime.py"], "every write ends in one os.replace"
+    for src, dst in renames:
+        assert src.parent == dst.parent, f"temp file {src} is not beside {dst}: the rename may cross filesystems"
+        assert src.name.startswith(f".{dst.name}."), "the temp file is a hidden sibling named after its target"
+
+
 # ----------------------------------------------------------------------------- modes
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o755, 0o600])
 def test_apply_and_revert_keep_file_modes(tmp_path, mode):
@@ -165,7 +188,7 @@ def test_new_files_get_the_umask_mode_not_0600(tmp_path, umask):
 
 
 def test_the_runtime_helper_of_an_apply_is_importable_by_others(tmp_path):
-    from patcher.engine.files import RUNTIME_FILE
+    from patcher.engine.files import RUNTIME_PACKAGE
 
     tree = tmp_path / "tree"
     (tree / "model").mkdir(parents=True)
@@ -179,10 +202,14 @@ def test_the_runtime_helper_of_an_apply_is_importable_by_others(tmp_path):
     finally:
         os.umask(old)
     assert result.exit_code == 0, result.output
-    helpers = list(tree.rglob(RUNTIME_FILE))
-    assert helpers
-    for helper in helpers:
-        assert stat.S_IMODE(helper.stat().st_mode) == 0o644, "another user or container UID must be able to import it"
+    folders = [p for p in tree.rglob(RUNTIME_PACKAGE) if p.is_dir()]
+    assert folders, f"no {RUNTIME_PACKAGE}/ written"
+    for folder in folders:
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o755, "another user or container UID must be able to enter it"
+        helpers = list(folder.rglob("*.py"))
+        assert helpers and any(h.name == "__init__.py" for h in helpers)
+        for helper in helpers:
+            assert stat.S_IMODE(helper.stat().st_mode) == 0o644, f"{helper.name}: another user or container UID must be able to import it"
 
 
 # ----------------------------------------------------------------------------- encodings
@@ -215,7 +242,7 @@ def test_latin1_file_with_a_coding_cookie_is_read_and_written_in_latin1(tmp_path
 def test_a_file_that_is_not_its_declared_encoding_is_skipped_with_the_reason(tmp_path):
     tree = _tree(tmp_path, "bad.py", b"# coding: ascii\n# caf\xe9\nimport torch\n\n\ndef timed():\n    torch.cuda.synchronize()\n")
     result = run("check", tree, *ONE_STEP)
-    assert result.exit_code == 2
+    assert result.exit_code == 1  # a skipped file is a finding
     assert "ddpatch: error: skipped bad.py: cannot read: not ascii as declared" in result.stderr
 
 

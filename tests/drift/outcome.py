@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 RECIPE = ["--recipe", "qwen3_6-gdn"]
+from patcher.results import EXIT_FAILED as EXIT_NO_MATCH  # noqa: E402  (apply/check found a site they cannot patch)
 PRESETS = ["--preset", "tiny-qwen3_5", "--preset", "tiny-qwen3_5-vlm"]
 # small but still sensitive: a patch that leaves the recurrent state uncommitted (native crops
 # without verify_forward) diverged at new token 12-13 here, and the code-shape-only patch within
 # 9; budget 8 on a block of 4 always leaves room for sibling branches in the tree
+BLOCK = 4  # verify's default draft block: a round that keeps 1 < a < BLOCK tokens accepted part of it
 VERIFY_SETTINGS = ["--seeds", "0", "--prompts", "2", "--max-new-tokens", "24", "--tree-budgets", "8", "--timeout", "300"]
 
 
@@ -80,6 +82,7 @@ class VerifyReport:
     error: str | None = None
     seconds: float | None = None
     lossless: set[tuple[str, str]] = field(default_factory=set)  # (model, method) whose lossless check passed
+    partial: set[tuple[str, str]] = field(default_factory=set)  # (model, method) with a round that kept part of its block
 
     def describe(self) -> str:
         if self.passed:
@@ -104,16 +107,19 @@ def verify(tree: Path) -> VerifyReport:
     for c in payload.get("checks", []):
         if not c.get("passed"):
             failures.append(f"{c['check']}: {c.get('evidence', '')}")
-    lossless = set()
+    lossless, partial = set(), set()
     for m in payload.get("models", []):
         for c in m.get("checks", []):
             if not c.get("passed"):
                 failures.append(f"{m['model']} {c['check']}: {c.get('evidence', '')}"[:300])
             elif c["check"].startswith("lossless: "):
                 lossless.add((m["model"], c["check"][len("lossless: ") :]))
+        for row in m.get("methods", []):
+            if any(1 < int(k) < BLOCK for k in (row.get("acceptance_histogram") or {})):
+                partial.add((m["model"], row["method"]))
     error = payload.get("error") or (None if payload else raw.strip()[-300:] or "no output")
     passed = bool(payload.get("passed")) and code == 0
-    return VerifyReport(code, passed, failures, error, payload.get("seconds"), lossless)
+    return VerifyReport(code, passed, failures, error, payload.get("seconds"), lossless, partial)
 
 
 def required_lossless(base: str) -> set[tuple[str, str]]:
@@ -131,11 +137,23 @@ def names_site(entry: dict) -> bool:
 
 
 def matches(entry: dict, expected) -> bool:
-    return (
-        entry["step"] == expected.step
-        and str(entry.get("path") or "").endswith(expected.file)
-        and entry.get("function") in expected.functions
-    )
+    """Whether a no-match entry is exactly the expected site: its step, its function, and its
+    file (a whole path component match; ``file=None`` only for an entry that names no file)."""
+    path = str(entry.get("path") or "").replace("\\", "/")
+    if expected.file is None:
+        where = not path
+    else:
+        where = bool(path) and (path == expected.file or path.endswith("/" + expected.file))
+    return entry["step"] == expected.step and entry.get("function") == expected.function and where
+
+
+def unexpected_no_matches(entries: list[dict], expected: tuple) -> list[str]:
+    """What keeps a run's no-match sites from being exactly ``expected``: every extra site and
+    every expected site that is missing (empty when they are the same)."""
+    problems = [f"extra: {e['step']} at {e.get('path')}:{e.get('function') or e.get('line')}"
+                for e in entries if not any(matches(e, x) for x in expected)]
+    problems += [f"missing: {x}" for x in expected if not any(matches(e, x) for e in entries)]
+    return problems
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -55,9 +55,12 @@ def shims_and_tree(root: Path):
     torch.cuda.synchronize = lambda device=None: None
     DynamicCache.crop = _crop_accepting_lengths(old_crop)
     sys.path.insert(0, str(root))
+    bytecode = sys.dont_write_bytecode
+    sys.dont_write_bytecode = True  # the copy is also apply's source: leave nothing in it
     try:
         yield
     finally:
+        sys.dont_write_bytecode = bytecode
         sys.path.remove(str(root))
         DynamicCache.crop, torch.cuda.synchronize = old_crop, old_sync
         if old_datasets is None:

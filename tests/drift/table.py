@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drift import outcome  # noqa: E402
-from drift.variants import BY_NAME, LOSSLESS, VARIANTS  # noqa: E402
+from drift.variants import BY_NAME, VARIANTS  # noqa: E402
 
 SHORT = {"applied": "A", "already-applied": "AA", "fixed-upstream": "F", "no-match": "NM", "skipped": "-"}
 
@@ -42,7 +42,7 @@ def main() -> int:
             rep = outcome.apply(src, tmp / v.name / "out", tmp / "home")
             row = {
                 "variant": v.name,
-                "expected": " | ".join(str(e) for e in v.expected),
+                "expected": v.describe_expected(),
                 "apply": rep.exit_code,
                 "statuses": rep.statuses,
                 "no_match": rep.no_match_sites(),
@@ -58,11 +58,11 @@ def main() -> int:
                 chk = outcome.check(src, tmp / "home")
                 row["check"] = chk.exit_code
             if rep.exit_code == 0:
-                row["meets_expectation"] = LOSSLESS in v.expected and row.get("verify", "").startswith("pass")
+                row["meets_expectation"] = v.lossless and (args.no_verify or row.get("verify", "").startswith("pass"))
             else:
-                wanted = [e for e in v.expected if e != LOSSLESS]
-                row["meets_expectation"] = row.get("check") == 2 and any(
-                    outcome.matches(s, e) for s in rep.sites("no-match") for e in wanted
+                row["meets_expectation"] = (
+                    not v.lossless and row.get("check") == outcome.EXIT_NO_MATCH
+                    and not outcome.unexpected_no_matches(rep.sites("no-match"), v.expected)
                 )
             row["seconds"] = round(time.perf_counter() - began, 1)
             rows.append(row)
@@ -96,7 +96,7 @@ def print_record(path: Path) -> int:
         nm = "; ".join(row.get("check_no_match") or row.get("no_match") or [])
         check = f"{row['check']}: {nm}" if "check" in row else (nm or "-")
         verify = row.get("verify", "-" if row.get("apply") != 0 else "(not run)")
-        expected = " or ".join(str(e) for e in v.expected)
+        expected = v.describe_expected()
         print(f"| {v.name} | {row.get('apply')} | {statuses} | {check} | {verify} | {expected} |")
     return 0
 

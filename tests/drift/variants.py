@@ -6,10 +6,15 @@ after (the helper exists and is called, the names really are renamed, a pure ref
 the AST...). ``expected`` is the outcome the recipe must reach, listed in README.md:
 
 * ``LOSSLESS``: ``apply`` exits 0 and ``verify`` passes on tiny-qwen3_5 and tiny-qwen3_5-vlm;
-* ``NoMatch(step, file, functions)``: ``apply`` and ``check`` exit 2 with a no-match of
-  ``step`` naming ``file`` and one of ``functions``.
+* ``(NoMatch(step, file, function), ...)``: ``apply`` and ``check`` exit 1, and their no-match
+  sites are exactly these: each names its ``step``, ``file`` (``None``: an anchor function that
+  is gone from the tree, which no file can name) and ``function``, no site is missing and none
+  is extra.
 
-A variant may accept either (``expected=(LOSSLESS, NoMatch(...))``) where the issue allows both.
+Each variant has exactly one expected outcome, decided by running it (``python3
+tests/drift/table.py VARIANT``), so a change of outcome in either direction fails the suite:
+a new false no-match, or a no-match that turned silent (lossless or not). ``Variant`` refuses
+a list of alternatives.
 """
 
 from __future__ import annotations
@@ -29,11 +34,15 @@ LOSSLESS = "lossless"
 @dataclass(frozen=True)
 class NoMatch:
     step: str
-    file: str
-    functions: tuple[str, ...]
+    file: str | None  # None: the anchor function is gone from the tree, so no file names it
+    function: str
+
+    def __post_init__(self) -> None:
+        if self.file == "" or not self.function or not isinstance(self.function, str):
+            raise ValueError(f"NoMatch({self.step!r}, {self.file!r}, {self.function!r}): a file (or None) and one function")
 
     def __str__(self) -> str:
-        return f"no-match of {self.step} at {self.file or '(gone)'}:{'/'.join(self.functions)}"
+        return f"no-match of {self.step} at {self.file or '(gone)'}:{self.function}"
 
 
 @dataclass
@@ -43,9 +52,27 @@ class Variant:
     base: str  # "ddtree" or "dflash": the vendored folder it starts from
     build: Callable[[Path], None]
     claims: Callable[[Path, Path], None]  # (variant root, original root)
-    expected: tuple = (LOSSLESS,)
+    expected: object = LOSSLESS  # LOSSLESS, or the exact tuple of NoMatch sites
     statuses: dict[str, str] = field(default_factory=dict)  # step id -> required status (after apply)
     summary: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.expected, NoMatch):
+            self.expected = (self.expected,)
+        exact = self.expected == LOSSLESS or (
+            isinstance(self.expected, tuple) and self.expected and all(isinstance(e, NoMatch) for e in self.expected)
+        )
+        if not exact:
+            raise ValueError(f"{self.name}: expected must be LOSSLESS or a tuple of NoMatch (one outcome), got {self.expected!r}")
+        if self.statuses and self.expected != LOSSLESS:
+            raise ValueError(f"{self.name}: required statuses only apply to a lossless variant")
+
+    @property
+    def lossless(self) -> bool:
+        return self.expected == LOSSLESS
+
+    def describe_expected(self) -> str:
+        return LOSSLESS if self.lossless else " + ".join(str(e) for e in self.expected)
 
     def make(self, dest: Path) -> Path:
         shutil.copytree(VENDORED / self.base, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
@@ -742,13 +769,13 @@ VARIANTS: list[Variant] = [
     ),
     Variant(
         "caches-unpacked", "renamed variables", "dflash", build_caches_unpacked, claims_caches_unpacked,
-        expected=(LOSSLESS, NoMatch("target-cache-config", FL, ("dflash_generate",))),
         summary='both caches built in a dict and unpacked: `target_cache, draft_cache = caches["target"], caches["draft"]`',
     ),
     Variant(
         "compact-renamed", "renamed variables", "ddtree", build_compact_renamed, claims_compact_renamed,
-        # file "": the anchor function is gone, so the no-match names it without a file
-        expected=(LOSSLESS, NoMatch("tree-commit", "", ("compact_dynamic_cache", "_pack_accepted"))),
+        # file None: the anchor function is gone, so the no-match names it without a file; crop-compat
+        # anchors its 4.x crop there too, so both steps say so
+        expected=(NoMatch("crop-compat", None, "compact_dynamic_cache"), NoMatch("tree-commit", None, "compact_dynamic_cache")),
         summary="DDTree's `compact_dynamic_cache` renamed `_pack_accepted`",
     ),
     Variant(
@@ -765,12 +792,10 @@ VARIANTS: list[Variant] = [
     ),
     Variant(
         "cache-factory-bare", "helpers", "ddtree", build_cache_factory, claims_cache_factory,
-        expected=(LOSSLESS, NoMatch("target-cache-config", DD, ("_make_target_cache", "dflash_generate"))),
         summary="`def _make_target_cache(target): return DynamicCache()` makes the target caches",
     ),
     Variant(
         "factory-shared-bare", "helpers", "dflash", build_factory_shared, claims_factory_shared,
-        expected=(LOSSLESS, NoMatch("target-cache-config", FL, ("_new_cache", "dflash_generate"))),
         summary="one bare factory `_new_cache(model)` for both caches, called with the target and with the drafter",
     ),
     Variant(
@@ -791,17 +816,12 @@ VARIANTS: list[Variant] = [
     ),
     Variant(
         "verify-helper", "helpers", "dflash", build_verify_helper, claims_verify_helper,
-        expected=(LOSSLESS, NoMatch("verify-forward", FL, ("_run_target", "dflash_generate"))),
-        statuses={"verify-forward": "applied"},
+        # the target's calls all go through `_run_target`, so `dflash_generate` (the anchor) has no site
+        expected=NoMatch("verify-forward", FL, "dflash_generate"),
         summary="`_run_target(target, ids, positions, cache, **kw)` runs the target for the prefill and for every verify",
     ),
     Variant(
         "draft-helper", "helpers", "dflash", build_draft_helper, claims_draft_helper,
-        expected=(
-            LOSSLESS,
-            NoMatch("draft-sliding-window", FL, ("_propose", "dflash_generate")),
-            NoMatch("input-embeddings", FL, ("_propose", "dflash_generate")),
-        ),
         statuses={"draft-sliding-window": "applied", "input-embeddings": "applied"},
         summary="`_propose(model, target, block, context, positions, cache)` makes the draft call and embeds the block",
     ),
@@ -819,7 +839,6 @@ VARIANTS: list[Variant] = [
     ),
     Variant(
         "config-kwargs", "the seed's sed", "dflash", build_config_kwargs, claims_config_kwargs,
-        expected=(LOSSLESS, NoMatch("target-cache-config", FL, ("dflash_generate",))),
         summary='`cache_kwargs = {"config": getattr(target, "config", None)}` spread into both caches',
     ),
     Variant(
@@ -840,3 +859,133 @@ VARIANTS: list[Variant] = [
 ]
 
 BY_NAME = {v.name: v for v in VARIANTS}
+
+
+# ---------------------------------------------------------------- a drafter that masks itself (DFlash's newest style)
+
+
+SELF_MASK = '''def _attention_mask(query, key, *, is_causal, sliding_window):
+    """Additive mask of a block of queries over its keys (the keys' trailing positions are the queries')."""
+    query_position = key.shape[-2] - query.shape[-2] + torch.arange(query.shape[-2], device=query.device)[:, None]
+    key_position = torch.arange(key.shape[-2], device=query.device)[None, :]
+    visible = torch.ones((query.shape[-2], key.shape[-2]), dtype=torch.bool, device=query.device)
+    if is_causal:
+        visible &= key_position <= query_position
+    if sliding_window is not None:
+        visible &= query_position - key_position < sliding_window
+    mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
+    return mask.masked_fill(~visible, torch.finfo(query.dtype).min)[None, None]
+
+
+'''
+
+
+def build_draft_masks_itself(root: Path) -> None:
+    # the attention builds its own mask when none is passed: causal and windowed on its sliding layers
+    t.insert_before(root, FL, "class Qwen3DFlashAttention(nn.Module):\n", SELF_MASK)
+    t.edit(
+        root, FL,
+        ('        self.sliding_window = config.sliding_window if kinds[layer_idx] == "sliding_attention" else None\n',
+         '        self.is_causal = kinds[layer_idx] == "sliding_attention"\n'
+         '        self.sliding_window = config.sliding_window if self.is_causal else None\n'),
+        ("            k, v = past_key_values.update(k, v, self.layer_idx, {\"cos\": cos, \"sin\": sin})\n",
+         "            k, v = past_key_values.update(k, v, self.layer_idx, {\"cos\": cos, \"sin\": sin})\n"
+         "        if attention_mask is None and (self.is_causal or self.sliding_window is not None):\n"
+         "            attention_mask = _attention_mask(q, k, is_causal=self.is_causal, sliding_window=self.sliding_window)\n"),
+    )
+
+
+def claims_draft_masks_itself(root: Path, original: Path) -> None:
+    text = _read(root, FL)
+    assert "def _attention_mask(query, key, *, is_causal, sliding_window):" in text
+    assert "        if attention_mask is None and (self.is_causal or self.sliding_window is not None):\n" in text
+    assert 'self.is_causal = kinds[layer_idx] == "sliding_attention"' in text
+    assert "attention_mask=attention_mask" in text.split("class DFlashDraftModel")[1], "the drafter itself passes no mask of its own"
+
+
+# ---------------------------------------------------------------- caches whose owner the code does not say
+
+
+NEW_CACHES = '''def _new_caches():
+    return DynamicCache(), DynamicCache()
+
+
+'''
+
+BOTH_CACHES = "    target_cache = DynamicCache()\n    draft_cache = DynamicCache()\n"
+
+
+def build_factory_pair(root: Path) -> None:
+    # one factory returns both bare caches; the pair is unpacked from its call
+    t.insert_before(root, FL, "# ---------------------------------------------------------------- decoding\n", NEW_CACHES)
+    t.edit(root, FL, (BOTH_CACHES, "    target_cache, draft_cache = _new_caches()\n"))
+
+
+def claims_factory_pair(root: Path, original: Path) -> None:
+    text = _read(root, FL)
+    assert "def _new_caches():\n    return DynamicCache(), DynamicCache()\n" in text
+    assert "    target_cache, draft_cache = _new_caches()\n" in text and text.count("DynamicCache()") == 2
+
+
+def build_caches_namespace(root: Path) -> None:
+    # both caches kept as attributes of one namespace, used through it everywhere
+    t.edit(
+        root, FL,
+        (BOTH_CACHES, "    caches = SimpleNamespace(target=DynamicCache(), draft=DynamicCache())\n"),
+        ("past_key_values=target_cache,", "past_key_values=caches.target,", 2),
+        ("past_key_values=draft_cache,", "past_key_values=caches.draft,"),
+        ("draft_cache.get_seq_length()", "caches.draft.get_seq_length()"),
+        ("draft_cache.crop(start)", "caches.draft.crop(start)"),
+        ("target_cache.crop(start)", "caches.target.crop(start)"),
+    )
+
+
+def claims_caches_namespace(root: Path, original: Path) -> None:
+    text = _read(root, FL)
+    assert "caches = SimpleNamespace(target=DynamicCache(), draft=DynamicCache())" in text
+    assert "target_cache" not in text and "draft_cache" not in text
+    assert text.count("past_key_values=caches.target,") == 2 and "caches.draft.crop(start)" in text
+
+
+def build_cache_ifexp(root: Path) -> None:
+    # a conditional expression around each bare cache
+    t.edit(
+        root, FL,
+        (BOTH_CACHES, "    target_cache = DynamicCache() if max_new_tokens > 0 else None\n"
+                      "    draft_cache = DynamicCache() if block_size > 1 else None\n"),
+    )
+
+
+def claims_cache_ifexp(root: Path, original: Path) -> None:
+    text = _read(root, FL)
+    assert "target_cache = DynamicCache() if max_new_tokens > 0 else None" in text
+    assert "draft_cache = DynamicCache() if block_size > 1 else None" in text
+
+
+#: target-cache-config lays the target's cache out at run time: every target call goes through the runtime
+ADOPTED = {"target-cache-config": "applied", "verify-forward": "applied"}
+
+_ISSUE22 = [
+    Variant(
+        "caches-factory-pair", "helpers", "dflash", build_factory_pair, claims_factory_pair,
+        statuses=ADOPTED,
+        summary="one factory `_new_caches()` returns both bare caches: `target_cache, draft_cache = _new_caches()`",
+    ),
+    Variant(
+        "caches-namespace", "renamed variables", "dflash", build_caches_namespace, claims_caches_namespace,
+        statuses=ADOPTED,
+        summary="`caches = SimpleNamespace(target=DynamicCache(), draft=DynamicCache())`, used as `caches.target` / `caches.draft`",
+    ),
+    Variant(
+        "cache-ifexp", "the seed's sed", "dflash", build_cache_ifexp, claims_cache_ifexp,
+        statuses=ADOPTED,
+        summary="`target_cache = DynamicCache() if max_new_tokens > 0 else None` (and the draft's)",
+    ),
+    Variant(
+        "draft-masks-itself", "5.x-native", "dflash", build_draft_masks_itself, claims_draft_masks_itself,
+        statuses={"draft-sliding-window": "fixed-upstream"},
+        summary="the draft's attention builds its own mask when none is passed: causal and windowed on its sliding layers",
+    ),
+]
+VARIANTS.extend(_ISSUE22)
+BY_NAME.update({v.name: v for v in _ISSUE22})
