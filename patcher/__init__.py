@@ -6,3 +6,14 @@ Layers, top down (each imports only those below it): ``cli`` (click) -> ``api`` 
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # ``patcher.lossless`` imports torch and the runtime: only when asked for, never on ``import patcher``
+    if name == "lossless":
+        from .lossless import lossless
+
+        # importing the submodule bound its name here; the API is the context manager
+        globals()["lossless"] = lossless
+        return lossless
+    raise AttributeError(f"module 'patcher' has no attribute {name!r}")

@@ -1,0 +1,323 @@
+"""``patcher.lossless``: transformers' own speculative generate() on stateful models equals plain greedy.
+
+Each mode is run on seeded stateful presets whose state matters, with drafts that are right often
+but not always (so rollbacks and partial acceptances happen), against plain greedy ``generate()``.
+The controls lift only transformers' refusal (``record=False``) and must come out different: it is
+the runtime's recording, not the lifting, that makes the output exact.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import generate_support as gs
+from patcher import runtime as rt
+from patcher.lossless import lossless, refusal
+
+ASSISTANT_PRESETS = ("tiny-qwen3_5", "tiny-nemotron-h")
+
+
+def first_divergence(expected, got):
+    return next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), None if len(expected) == len(got) else min(len(expected), len(got)))
+
+
+@pytest.fixture(scope="module")
+def mtp_target(tmp_path_factory):
+    return gs.mtp_checkpoint("tiny-qwen3_5", tmp_path_factory.mktemp("mtp-qwen3_5"))
+
+
+def scripted_run(model, mode: str, ids, reference, record: bool = True, seed: int = 0):
+    """(new tokens, the script) of one greedy generate() in ``mode`` with a draft right ~65% of the time."""
+    script = gs.Script(ids[0].tolist() + reference, seed=seed, vocab=gs.MASK_TOKEN_ID)
+    if mode == "mtp":
+        with gs.scripted_mtp(script), lossless(model, record=record):
+            return gs.greedy(model, ids, use_mtp=True), script
+    helper = gs.assistant(seed)
+    with gs.scripted_assistant(helper, script), lossless(model, record=record):
+        return gs.greedy(model, ids, assistant_model=helper), script
+
+
+def verify_lengths(model, run):
+    """The input lengths of the target's own forwards during ``run()`` (prefill included)."""
+    lengths, seen = [], []
+
+    def hook(module, args, kwargs):
+        ids = kwargs["input_ids"]
+        if not seen or seen[-1] is not ids:  # under lossless the hooks also see verify_forward's inner call
+            seen.append(ids)
+            lengths.append(ids.shape[1])
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        out = run()
+    finally:
+        handle.remove()
+    return out, lengths
+
+
+# ----------------------------------------------------------------------------- the API's contract
+#: transformers up to 5.23 refuses speculative generate() on a stateful class; 5.24+ runs it (lossy, measured on 5.25)
+REFUSES = getattr(type(gs.target("tiny-qwen3_5")), "_is_stateful", False) and "not supported with stateful" in __import__(
+    "inspect").getsource(__import__("transformers.generation.utils", fromlist=["x"]))
+
+
+def test_outside_the_context_transformers_behaves_as_before():
+    model = gs.target("tiny-qwen3_5")
+    ids = gs.repeated_prompt(0)
+    before = vars(model).copy()
+    if REFUSES:
+        with pytest.raises(ValueError, match="stateful"):
+            model.generate(ids, max_new_tokens=4, prompt_lookup_num_tokens=3)
+    else:
+        plain = gs.greedy(model, ids, prompt_lookup_num_tokens=3)
+    with lossless(model):
+        assert getattr(model, "_is_stateful", False) is False and getattr(model.forward, "__ddpatch_lossless__", False)
+    assert vars(model).keys() == before.keys() and getattr(model, "_is_stateful", False) is bool(REFUSES)
+    if REFUSES:
+        with pytest.raises(ValueError, match="stateful"):
+            model.generate(ids, max_new_tokens=4, prompt_lookup_num_tokens=3)
+    else:
+        assert gs.greedy(model, ids, prompt_lookup_num_tokens=3) == plain
+
+
+def test_other_instances_are_untouched():
+    model, other = gs.target("tiny-qwen3_5"), gs.build_target("tiny-qwen3_5", seed=1)
+    with lossless(model):
+        assert "forward" not in vars(other) and getattr(other, "_is_stateful", False) is bool(REFUSES)
+        if REFUSES:
+            with pytest.raises(ValueError, match="stateful"):
+                other.generate(gs.prompt(0), max_new_tokens=4, prompt_lookup_num_tokens=3)
+
+
+def test_importing_patcher_imports_no_torch():
+    code = "import sys, patcher; assert 'torch' not in sys.modules; print(patcher.lossless.__name__)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "lossless", proc.stderr
+
+
+def test_the_forward_keeps_its_signature():
+    import inspect
+
+    model = gs.target("tiny-qwen3_5")
+    plain = inspect.signature(model.forward)
+    with lossless(model):
+        assert inspect.signature(model.forward) == plain  # transformers builds position_ids from it
+
+
+def test_decorator_form_is_lossless():
+    model = gs.target("tiny-nemotron-h")
+    ids = gs.repeated_prompt(1)
+    reference = gs.greedy(model, ids)
+
+    @lossless(model)
+    def speculative():
+        return gs.greedy(model, ids, prompt_lookup_num_tokens=3)
+
+    assert speculative() == reference
+    assert "forward" not in vars(model)
+
+
+@pytest.mark.skipif(not REFUSES, reason="5.24+: Mamba's forward takes cache=, as every model's does")
+def test_a_family_it_cannot_roll_back_is_refused_in_one_line():
+    from transformers import MambaConfig, MambaForCausalLM
+
+    model = MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8))
+    with pytest.raises(rt.UnsupportedModelError) as err:
+        with lossless(model):
+            pass
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("ddpatch: mamba ") and "cache_params" in line
+    assert "_is_stateful" not in vars(model)
+    assert refusal(gs.target("tiny-qwen3_5")) is None
+
+
+# ----------------------------------------------------------------------------- MTP
+def test_mtp_is_lossless_with_a_head_often_but_not_always_right(mtp_target):
+    ids = gs.prompt(0)
+    reference = gs.greedy(mtp_target, ids)
+    got, script = scripted_run(mtp_target, "mtp", ids, reference)
+    assert got == reference, f"diverges at new token {first_divergence(reference, got)}"
+    assert 0 < script.right < script.proposed, (script.right, script.proposed)
+
+
+def test_mtp_with_its_own_seeded_head_is_lossless(mtp_target):
+    ids = gs.prompt(2)
+    reference = gs.greedy(mtp_target, ids)
+    with lossless(mtp_target):
+        assert gs.greedy(mtp_target, ids, use_mtp=True) == reference
+
+
+def test_control_mtp_without_recording_diverges(mtp_target):
+    ids = gs.prompt(0)
+    reference = gs.greedy(mtp_target, ids)
+    got, _ = scripted_run(mtp_target, "mtp", ids, reference, record=False)
+    assert got != reference
+
+
+# ----------------------------------------------------------------------------- assistant, prompt lookup
+@pytest.mark.parametrize("name", ASSISTANT_PRESETS)
+def test_assistant_is_lossless_with_partial_acceptances(name):
+    model = gs.target(name)
+    ids = gs.prompt(0)
+    reference = gs.greedy(model, ids)
+    got, script = scripted_run(model, "assistant", ids, reference)
+    assert got == reference, f"diverges at new token {first_divergence(reference, got)}"
+    partial = [a for a, n in script.blocks if 0 < a < n]
+    assert partial, f"no partial acceptance among blocks {script.blocks}"
+
+
+@pytest.mark.parametrize("name", ASSISTANT_PRESETS)
+def test_prompt_lookup_on_repeated_ngrams_is_lossless(name):
+    model = gs.target(name)
+    ids = gs.repeated_prompt(0)
+    reference = gs.greedy(model, ids)
+    with lossless(model):
+        got, lengths = verify_lengths(model, lambda: gs.greedy(model, ids, prompt_lookup_num_tokens=3))
+    assert got == reference, f"diverges at new token {first_divergence(reference, got)}"
+    assert lengths[0] > ids.shape[1], "the first forward covers prompt + candidates"
+    assert max(lengths[1:]) > 1, "prompt lookup proposed no candidate after the prefill"
+
+
+@pytest.mark.parametrize("name", ("tiny-qwen3_5", "tiny-nemotron-h"))
+def test_early_exit_is_lossless(name):
+    model = gs.target(name)
+    ids = gs.prompt(0)
+    reference = gs.greedy(model, ids)
+    exit_layer = 4 if name == "tiny-qwen3_5" else 2  # transformers needs an attention layer before the exit
+    with lossless(model):
+        assert gs.greedy(model, ids, assistant_early_exit=exit_layer) == reference
+
+
+# ----------------------------------------------------------------------------- controls on every stateful preset
+#: presets where lifting the refusal alone is already exact for these runs (measured): LFM2's short conv
+#: keeps only a conv window, and transformers' native crop rolls conv windows back; on 5.25 (native
+#: recurrent-state history) Falcon-H1's two control runs stay exact too.
+NATIVELY_EXACT = {"tiny-lfm2"} | (set() if REFUSES else {"tiny-falcon-h1"})
+
+
+@pytest.mark.parametrize("name", gs.STATEFUL)
+def test_every_stateful_preset_is_lossless_and_its_control_fails(name):
+    model = gs.target(name)
+    ids, repeated = gs.prompt(0), gs.repeated_prompt(0)
+    reference, reference_repeated = gs.greedy(model, ids), gs.greedy(model, repeated)
+    got, _ = scripted_run(model, "assistant", ids, reference)
+    assert got == reference, f"assistant diverges at new token {first_divergence(reference, got)}"
+    with lossless(model):
+        assert gs.greedy(model, repeated, prompt_lookup_num_tokens=3) == reference_repeated
+    control, _ = scripted_run(model, "assistant", ids, reference, record=False)
+    with lossless(model, record=False):
+        control_lookup = gs.greedy(model, repeated, prompt_lookup_num_tokens=3)
+    if name in NATIVELY_EXACT:
+        assert control == reference and control_lookup == reference_repeated
+    else:
+        assert control != reference or control_lookup != reference_repeated, "the control did not fail"
+
+
+# ----------------------------------------------------------------------------- sampling
+def sampled_second_tokens(model, ids, runs: int, **mode) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for i in range(runs):
+        torch.manual_seed(50_000 + i)
+        with lossless(model):
+            out = model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=True, temperature=0.8, top_k=0, **mode)
+        token = int(out[0, ids.shape[1] + 1])
+        counts[token] = counts.get(token, 0) + 1
+    return counts
+
+
+def sampling_pair(name: str):
+    from patcher.verify.models import prepare_for_sampling
+
+    model = gs.build_target(name, seed=0)
+    prepare_for_sampling(model, gs.MASK_TOKEN_ID)  # a peaked distribution, as `verify --temperature` uses
+    helper = gs.assistant()
+    prepare_for_sampling(helper, gs.MASK_TOKEN_ID)
+    return model, helper
+
+
+def second_token_test(model, ids, counts):
+    from patcher.verify.checks import second_token_distribution
+    from patcher.verify.oracle import chi_square_test
+
+    return chi_square_test(counts, second_token_distribution(model, ids, {"temperature": 0.8}))
+
+
+def test_speculative_sampling_with_an_assistant_follows_the_target():
+    """The distributional test of ``verify --temperature``: the 2nd new token against its exact law.
+    With 2 new tokens a rejected first candidate is cut back before the 2nd token is drawn."""
+    model, helper = sampling_pair("tiny-qwen3_5")
+    ids = gs.prompt(0)
+    verdict = second_token_test(model, ids, sampled_second_tokens(model, ids, 200, assistant_model=helper))
+    assert verdict.passed and verdict.dof >= 5, verdict.describe()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ("tiny-qwen3_5", "tiny-nemotron-h"))
+def test_speculative_sampling_with_prompt_lookup_follows_the_target(name):
+    model, _ = sampling_pair(name)
+    ids = gs.repeated_prompt(0)
+    verdict = second_token_test(model, ids, sampled_second_tokens(model, ids, 300, prompt_lookup_num_tokens=3))
+    assert verdict.passed and verdict.dof >= 5, verdict.describe()
+
+
+def test_the_same_test_fails_a_sampler_that_ignores_the_target():
+    """The test can fail: counts from the assistant's own sampling (the draft's law, not the target's)."""
+    model, helper = sampling_pair("tiny-qwen3_5")
+    ids = gs.prompt(0)
+    counts: dict[int, int] = {}
+    for i in range(200):
+        torch.manual_seed(50_000 + i)
+        out = helper.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=True, temperature=0.8, top_k=0)
+        counts[int(out[0, -1])] = counts.get(int(out[0, -1]), 0) + 1
+    assert not second_token_test(model, ids, counts).passed
+
+
+# ----------------------------------------------------------------------------- ddpatch verify --generate
+def test_verify_generate_passes_and_reports_the_modes():
+    import json
+
+    from patcher.cli import main
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(main, ["verify", "--generate", "--preset", "tiny-qwen3_5", "--mode", "mtp,assistant,prompt-lookup",
+                                       "--max-new-tokens", "16", "--format", "json"])
+    payload = json.loads(result.stdout[result.stdout.index("{"):])
+    checks = {c["check"]: c for m in payload["models"] for c in m["checks"]}
+    assert result.exit_code == 0 and payload["passed"], checks
+    for mode in ("mtp", "assistant", "prompt-lookup"):
+        assert checks[f"lossless: {mode}"]["passed"] and checks[f"logits == from-scratch: {mode}"]["passed"]
+    assert checks["partial acceptances (scripted assistant)"]["passed"]
+    methods = {m["method"]: m for m in payload["models"][0]["methods"]}
+    assert set(methods) == {"mtp", "assistant", "prompt-lookup"} and all("speedup" in m for m in methods.values())
+
+
+def test_verify_generate_fails_when_only_the_refusal_is_lifted(monkeypatch):
+    """The verifier's status can fail: the same run with lossless reduced to its control."""
+    import functools
+
+    import patcher.lossless  # noqa: F401  (loads the module; the package attribute is the class)
+    from patcher.verify.generate_mode import run_generate
+
+    monkeypatch.setattr(sys.modules["patcher.lossless"], "lossless", functools.partial(lossless, record=False))
+    outcome = run_generate(presets=["tiny-qwen3_5"], modes=["assistant", "prompt-lookup"], max_new_tokens=24)
+    failed = {c["check"] for c in outcome.checks if not c["passed"]}
+    assert not outcome.passed, outcome.checks
+    assert failed & {"lossless: assistant", "lossless: prompt-lookup"}, failed
+    assert failed & {"logits == from-scratch: assistant", "logits == from-scratch: prompt-lookup"}, failed
+
+
+@pytest.mark.slow
+def test_verify_generate_under_sampling_judges_logits_and_the_distribution():
+    from patcher.verify.generate_mode import run_generate
+
+    outcome = run_generate(presets=["tiny-qwen3_5"], modes=["assistant", "prompt-lookup"], max_new_tokens=12,
+                           temperature=0.8, sampling_runs=120)
+    checks = {c["check"]: c for c in outcome.checks}
+    assert outcome.passed, checks
+    for mode in ("assistant", "prompt-lookup"):
+        assert checks[f"logits == from-scratch: {mode}"]["passed"], "sampling must not touch the recorded logits"
+        assert "over 120 runs" in checks[f"sampling distribution: {mode}"]["evidence"]
