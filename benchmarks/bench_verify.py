@@ -30,7 +30,7 @@ def ddpatch(*args: str) -> subprocess.CompletedProcess:
 
 def patch(dest: Path, ignore: str | None) -> Path:
     args = ["apply", str(ROOT / "vendored" / "ddtree"), "--recipe", "qwen3_6-gdn", "--out", str(dest)]
-    proc = ddpatch(*args, *(["--ignore", ignore] if ignore else []))
+    proc = ddpatch(*args, *(["--ignore", ignore, "--allow-lossy"] if ignore else []))  # the code-shape-only control is lossy on purpose
     if proc.returncode != 0:
         sys.exit(proc.stderr)
     return dest

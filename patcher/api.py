@@ -27,7 +27,7 @@ from typing import Callable, Iterable
 from .ci import BISECT_THRESHOLD, HUNK_LINES
 from .engine.recipe import Recipe, builtin_recipes, load_recipe
 from .errors import INPUT_ERRORS, CIError, EngineError, JournalError, RecipeError, VerifierCrash, VerifyError
-from .results import ApplyResult, CIResult, Outcome, Report, StepDoc
+from .results import ApplyResult, CIResult, Outcome, Report, RevertResult, StepDoc
 from .verify.presets import PRESETS
 
 # The engine (and libcst), the verifier's runner and ci's history are imported by the functions
@@ -37,7 +37,7 @@ DEFAULT_RECIPE = "qwen3_6-gdn"
 
 __all__ = [
     "BISECT_THRESHOLD", "CIError", "DEFAULT_RECIPE", "EngineError", "HUNK_LINES", "INPUT_ERRORS", "JournalError", "PRESETS",
-    "RecipeError", "VerifierCrash", "VerifyError", "apply", "check", "ci", "diff", "patch_builtin",
+    "RecipeError", "VerifierCrash", "VerifyError", "apply", "check", "ci", "diff", "env", "lossy_steps", "patch_builtin",
     "recipe_docs", "recipes", "revert", "run", "verify", "workflow_template",
 ]
 
@@ -56,7 +56,8 @@ def recipe_docs(name: str) -> tuple[Recipe, list[StepDoc]]:
     docs = []
     for s in r.steps:
         cls = CODEMODS[s.codemod]
-        docs.append(StepDoc(s, cls.DESCRIPTION, {**cls.PARAMS, **s.params}, [e.clean() for e in cls.EXAMPLES]))
+        params = {**cls.PARAMS, **s.params}
+        docs.append(StepDoc(s, cls.DESCRIPTION, params, [e.clean() for e in cls.EXAMPLES if e.fits(params)]))
     return r, docs
 
 
@@ -65,8 +66,10 @@ def select_steps(recipe: Recipe, select: Iterable[str] | str | None = None, igno
     ids = {s.id for s in recipe.steps}
     chosen = list(recipe.steps)
     for flag, value in (("--select", select), ("--ignore", ignore)):
-        if value:
+        if value is not None:
             names = {v.strip() for v in (value.split(",") if isinstance(value, str) else value) if v.strip()}
+            if not names:
+                raise RecipeError(f"{flag}: no step id given; known: {', '.join(s.id for s in recipe.steps)}")
             unknown = names - ids
             if unknown:
                 raise RecipeError(f"{flag}: unknown step(s) {', '.join(sorted(unknown))}; known: {', '.join(s.id for s in recipe.steps)}")
@@ -74,6 +77,16 @@ def select_steps(recipe: Recipe, select: Iterable[str] | str | None = None, igno
     if not chosen:
         raise RecipeError("no steps left to run after --select/--ignore")
     return replace(recipe, steps=tuple(chosen))
+
+
+def lossy_steps(report: Report, recipe: Recipe) -> list[str]:
+    """The recipe's lossless steps that apply to the report's tree (a decoder layout the recipe detected)
+    but were left out by --select/--ignore."""
+    if report.upstream is None:
+        return []
+    ran = {s.spec.id for s in report.steps} | {s.id for s in report.recipe.steps}
+    specs = {s.id: s for s in recipe.steps}
+    return [sid for sid in recipe.lossless if sid not in ran and specs[sid].applies_to(report.upstream)]
 
 
 # ----------------------------------------------------------------------------- apply / diff / check
@@ -116,21 +129,24 @@ def diff(path: str | Path, recipe: str | Recipe = DEFAULT_RECIPE, **options) -> 
 
 
 def apply(path: str | Path, recipe: str | Recipe = DEFAULT_RECIPE, out: str | Path | None = None, force: bool = False,
-          allow_partial: bool = False, **options) -> ApplyResult:
+          allow_partial: bool = False, allow_lossy: bool = True, **options) -> ApplyResult:
     """Rewrite ``path`` in place (journalled, atomic), or a copy of it under ``out``.
 
     A no-match step or a skipped file blocks every write unless ``allow_partial``; the
-    report's ``applied`` sites are then ``pending``.
+    report's ``applied`` sites are then ``pending``. So does a selection that leaves out a
+    lossless step (``lossy_steps``) unless ``allow_lossy``.
     """
     from .engine import journal
     from .engine.classify import mark_pending
     from .engine.write import refuse_unwritable, write_report
 
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     report = run(path, recipe, **options)
     require_code(report)
+    lossy = lossy_steps(report, recipe)
     if out is None:
         refuse_unwritable(report)  # a read-only file is skipped, like one that cannot be parsed
-    blocked = bool(report.no_match or report.skipped) and not allow_partial
+    blocked = bool(report.no_match or report.skipped) and not allow_partial or bool(lossy and not allow_lossy)
     written: list[str] = []
     dest = None
     if blocked:
@@ -142,7 +158,7 @@ def apply(path: str | Path, recipe: str | Recipe = DEFAULT_RECIPE, out: str | Pa
         elif report.changed:
             journal.record(base, {f.path: f.encoded() for f in report.changed}, report.recipe.label)
         written = write_report(report, dest)
-    return ApplyResult(report, written, dest, blocked)
+    return ApplyResult(report, written, dest, blocked, lossy)
 
 
 def prepare_out(root: Path, out: Path, force: bool, hint: str = "use --force to write into it") -> Path:
@@ -160,8 +176,9 @@ def prepare_out(root: Path, out: Path, force: bool, hint: str = "use --force to 
     return out
 
 
-def revert(path: str | Path, force: bool = False) -> list[str]:
-    """Undo the latest in-place apply on ``path``, byte for byte; returns the files restored."""
+def revert(path: str | Path, force: bool = False) -> RevertResult:
+    """Undo the latest in-place apply on ``path``, byte for byte; returns the files restored (and, with
+    ``force``, the later edits it overwrote, each kept as ``<file>.orig``)."""
     from .engine import journal
 
     path = Path(path)
@@ -190,6 +207,14 @@ def patch_builtin(upstream: str, dest: Path) -> Report:
 
 
 # ----------------------------------------------------------------------------- verify
+def env(with_device: bool = True) -> dict:
+    """Python, torch, transformers, accelerate, libcst and the optional kernels, each with whether it is
+    inside ddpatch's tested range, and the device (which imports torch). See ``patcher.env``."""
+    from .env import environment
+
+    return environment(with_device=with_device)
+
+
 def workflow_template() -> str:
     """A GitHub Actions workflow that runs ``ddpatch ci`` on a schedule."""
     from .ci.workflow import workflow_template
@@ -213,7 +238,7 @@ def ci(recipe: str | Recipe, repo: str | Path, rev: str = "HEAD", since: str | N
     """Evaluate ``recipe`` on upstream commits and find where each step's status changed.
 
     ``verify``: options for ``verify`` on each evaluated commit (None: no verify).
-    ``update_lock``: record a green tip in ``lock`` (default ``vendored/upstream.lock``).
+    ``update_lock``: record a green tip in ``lock`` (default ``ddpatch-upstream.lock`` in the working folder, created if missing).
     """
     from .ci.history import run_ci
     from .ci.lock import apply_lock, default_lock_path
@@ -222,7 +247,7 @@ def ci(recipe: str | Recipe, repo: str | Path, rev: str = "HEAD", since: str | N
     lock_file = None
     if update_lock:
         lock_file = Path(lock or default_lock_path()).expanduser()
-        if not lock_file.is_file():
+        if lock is not None and not lock_file.is_file():  # the default one is created beside the fork
             raise CIError(f"--lock {lock_file} does not exist")
     if verify is not None:
         unknown = [p for p in verify.get("presets") or () if p not in PRESETS]

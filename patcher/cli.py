@@ -1,18 +1,17 @@
 """The ``ddpatch`` command line: click only. Each command calls ``patcher.api`` and renders the
 result object it returns with ``patcher.report``; nothing imports this module.
 
-Exit codes, for every command:
-  0  done, nothing pending
-  1  changes pending (``check``, ``diff``), a verify check failed, or (``ci``, as CI tools
-     report failures) a step no longer matches at the newest commit
-  2  a recipe step no longer matches (``apply``/``diff``/``check``), a skipped file, bad input,
-     or an error (one line on stderr says which)
-  3  an internal error of ddpatch (the verifier crashed): not a verdict on the tree
+Exit codes, the same for every command (docs/exit-codes.md):
+  0    clean: nothing pending, every check passed
+  1    findings: changes pending (``check``, ``diff``), a step is no-match, a file was skipped,
+       a verify check failed, a selection that leaves out a lossless step
+  2    usage or input error (one ``ddpatch: error:`` line on stderr says which)
+  3    internal error of ddpatch: not a verdict on the tree
+  130  interrupted (Ctrl-C)
 """
 
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
 
@@ -21,73 +20,20 @@ import click
 from . import __version__, api
 from .report.console import file_progress as _progress
 from .report.console import print_json, verify_progress
-from .report.diff import diff_stat, diff_text, print_diff
-from .report.formats import CI_FORMATS, render_ci_as
+from .report.diff import diff_stat, diff_stat_rows, diff_text, print_diff
+from .report.formats import concise_text
 from .report.json_report import apply_payload, error_payload, patch_payload, recipe_payload, recipes_payload, revert_payload, verify_payload
 from .report.text import (apply_error_lines, apply_text, check_text, demo_text, error_lines, print_summary, recipe_text, recipes_text,
                            render_verify, revert_text)
-from .results import EXIT_ERROR, EXIT_FAILED, EXIT_INTERNAL, EXIT_OK
+from .commands.base import (EXIT_PENDING, FORMAT, Failure, Main, configured, friendly, ints, lossy_line, next_step, options,
+                            recipe_options, report_errors)
+from .commands.ci import ci
+from .commands.env import env as env_command
+from .results import EXIT_FAILED, EXIT_INTERNAL, EXIT_OK
 from .verify.presets import PRESETS  # the names only: torch is not imported
 
-EXIT_PENDING = EXIT_FAILED  # changes pending, or a verify check failed
-FORMAT = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True, help="Output format.")
-
-
-class Failure(click.ClickException):
-    exit_code = EXIT_ERROR
-
-    def show(self, file=None) -> None:
-        click.echo(f"ddpatch: error: {self.format_message()}", err=True)
-
-
-def _wants_json(argv: list[str]) -> bool:
-    return "--format=json" in argv or any(a == "--format" and b == "json" for a, b in zip(argv, argv[1:]))
-
-
-class Main(click.Group):
-    """The ``ddpatch`` group: every error, click's usage errors included, is one ``ddpatch: error:`` line.
-
-    With ``--format json`` an error also prints a JSON object on stdout (``command``,
-    ``error``, ``exit_code``), so that a script always gets one.
-    """
-
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        if not standalone_mode:
-            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        argv = list(sys.argv[1:] if args is None else args)
-        try:
-            rv = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
-        except click.ClickException as exc:
-            if type(exc).__name__ == "NoArgsIsHelpError":  # a bare `ddpatch`: the help is the answer
-                exc.show()
-                sys.exit(exc.exit_code)
-            message = exc.format_message()
-            if isinstance(exc, click.UsageError) and exc.ctx is not None:
-                message += f" (see `{exc.ctx.command_path} --help`)"
-            if _wants_json(argv):
-                command = next((a for a in argv if a in self.commands), None)
-                print_json(error_payload(command, message, exc.exit_code))
-            click.echo(f"ddpatch: error: {message}", err=True)
-            sys.exit(exc.exit_code)
-        except click.Abort:
-            click.echo("ddpatch: error: aborted", err=True)
-            sys.exit(EXIT_ERROR)
-        sys.exit(rv if isinstance(rv, int) else EXIT_OK)
-
-
-def friendly(fn):
-    """Turn known errors into one clear line and exit code 2."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except api.INPUT_ERRORS as exc:
-            raise Failure(str(exc)) from None
-        except OSError as exc:  # e.g. a full disk while writing: one line, not a traceback
-            where = f": {exc.filename}" if exc.filename else ""
-            raise Failure(f"{exc.strerror or exc}{where}") from None
-
-    return wrapper
+# the short names the commands below use
+_options, _ints, _configured, _report_errors, _lossy_line, _next_step = options, ints, configured, report_errors, lossy_line, next_step
 
 
 @click.group(cls=Main, context_settings={"help_option_names": ["-h", "--help"]})
@@ -96,10 +42,12 @@ def main() -> None:
     """Compatibility recipes for speculative-decoding research code, and a verifier that proves them lossless.
 
     \b
-    ddpatch recipes list
-    ddpatch diff  --recipe qwen3_6-gdn path/to/ddtree
-    ddpatch apply --recipe qwen3_6-gdn path/to/ddtree --out patched/
+    ddpatch check path/to/ddtree
+    ddpatch diff  path/to/ddtree
+    ddpatch apply path/to/ddtree --out patched/
     ddpatch verify patched/
+
+    Exit codes: 0 clean, 1 findings, 2 usage or input error, 3 internal error, 130 interrupted.
     """
 
 
@@ -135,37 +83,11 @@ def recipes_show(name: str, fmt: str) -> None:
 
 
 # ----------------------------------------------------------------------------- apply / diff / check
-def _options(*options):
-    """One decorator that adds ``options`` in the order given."""
-    def decorate(fn):
-        for option in reversed(options):
-            fn = option(fn)
-        return fn
-    return decorate
-
-
-recipe_options = _options(
-    click.option("--recipe", "recipe_name", required=True, help="A built-in recipe name or a path to a recipe .toml."),
-    click.option("--select", default=None, help="Only these step ids (comma-separated)."),
-    click.option("--ignore", default=None, help="Skip these step ids (comma-separated)."),
-    click.option("--upstream", default=None, help="Treat the tree as this upstream layout instead of detecting it."),
-    click.option("--jobs", "-j", type=int, default=0, help="Parallel worker processes (default: number of CPUs)."),
-    click.option("-v", "--verbose", is_flag=True, help="List every site."),
-    FORMAT,
-)
-
-
 def _run(command, recipe_name, path, select, ignore, upstream, jobs, **options):
     """``api.check``/``api.diff``/``api.apply`` with a progress bar on a terminal."""
     with _progress(command) as progress:
-        return getattr(api, command)(path, recipe_name, select=select, ignore=ignore, upstream=upstream, jobs=jobs,
+        return getattr(api, command)(path, recipe_name, select=select, ignore=ignore, upstream=upstream, jobs=jobs or 0,
                                      progress=progress, **options)
-
-
-def _report_errors(lines: list[str]) -> None:
-    """One ``ddpatch: error:`` line on stderr per failure, the cause (a skipped file) first."""
-    for line in lines:
-        click.echo(f"ddpatch: error: {line}", err=True)
 
 
 @main.command()
@@ -176,7 +98,7 @@ def _report_errors(lines: list[str]) -> None:
 @click.option("--allow-partial", is_flag=True, help="Write the steps that matched even if some step is no-match.")
 @click.option("--diff", "show_diff", is_flag=True, help="Also print the unified diff of what was written.")
 @friendly
-def apply(path, recipe_name, select, ignore, upstream, jobs, verbose, fmt, out, force, allow_partial, show_diff) -> None:
+def apply(path, out, force, allow_partial, show_diff, **options) -> None:
     """Rewrite PATH in place (or into --out DIR) with a recipe.
 
     Re-running on a patched tree changes nothing and reports every step as
@@ -185,42 +107,55 @@ def apply(path, recipe_name, select, ignore, upstream, jobs, verbose, fmt, out, 
     --allow-partial; its sites are then reported `pending` or `skipped`. In-place writes
     are atomic and journalled: `ddpatch revert PATH` undoes them.
 
-    Exit 0: done (or nothing to do); 2: a step is no-match, a file was skipped, or bad
-    input (one `ddpatch: error:` line on stderr for each).
+    Exit 0: done (or nothing to do); 1: a step is no-match, a file was skipped, or the
+    selection is lossy (nothing written); 2: bad input (one `ddpatch: error:` line).
     """
-    result = _run("apply", recipe_name, path, select, ignore, upstream, jobs, out=out, force=force, allow_partial=allow_partial)
-    code = result.report.exit_code(pending=False)
+    o = _configured(path, options)
+    verbose, fmt, concise = o.pop("verbose"), o.pop("fmt"), o.pop("output_format") == "concise"
+    result = _run("apply", o.pop("recipe_name"), path, out=out, force=force, allow_partial=allow_partial, **o)
+    code = EXIT_FAILED if result.lossy and result.blocked else result.report.exit_code(pending=False)
     if fmt == "json":
-        print_json(apply_payload(result, code))
+        print_json({**apply_payload(result, code), "lossy": result.lossy})
+    elif concise:
+        click.echo(concise_text(result.report), nl=False)
     else:
         print_summary(result.report, "apply", verbose)
         if show_diff:
             print_diff(result.report)
         click.echo(apply_text(result), nl=False)
-    _report_errors(error_lines(result.report) + apply_error_lines(result))
+    _report_errors(error_lines(result.report) + _lossy_line(result.lossy, result.report.recipe.name) + apply_error_lines(result))
+    if result.written:
+        _next_step(f"ddpatch verify {result.out or result.report.root}    # prove the patched tree decodes losslessly", fmt)
     sys.exit(code)
 
 
 @main.command()
 @click.argument("path", type=click.Path(path_type=Path))
 @recipe_options
-@click.option("--stat", is_flag=True, help="Print a diffstat instead of the diff.")
+@click.option("--stat", is_flag=True, help="Print a diffstat instead of the diff (with --format json: a \"stat\" list).")
+@click.option("--runtime-diff", is_flag=True, help="Also print the full diff of the ddpatch runtime copy (default: one line per file).")
 @click.option("--color", type=click.Choice(["auto", "always", "never"]), default="auto", show_default=True)
 @friendly
-def diff(path, recipe_name, select, ignore, upstream, jobs, verbose, fmt, stat, color) -> None:
+def diff(path, stat, runtime_diff, color, **options) -> None:
     """Print the unified diff that apply would write; writes nothing.
 
-    Exit 0: no changes; 1: changes; 2: a step is no-match or a file was skipped.
+    Exit 0: no changes; 1: changes, a step is no-match or a file was skipped; 2: bad input.
     """
-    report = _run("diff", recipe_name, path, select, ignore, upstream, jobs)
-    code = report.exit_code(pending=True)
+    o = _configured(path, options)
+    fmt, allow_lossy = o.pop("fmt"), o.pop("allow_lossy")
+    o.pop("verbose"), o.pop("output_format")
+    recipe_name = o.pop("recipe_name")
+    report = _run("diff", recipe_name, path, **o)
+    lossy = [] if allow_lossy else api.lossy_steps(report, api.load_recipe(recipe_name))
+    code = EXIT_FAILED if lossy else report.exit_code(pending=True)
     if fmt == "json":
-        print_json(patch_payload(report, "diff", code, diff=diff_text(report)))
+        extra = {"stat": diff_stat_rows(report)} if stat else {}
+        print_json({**patch_payload(report, "diff", code, diff=diff_text(report, runtime=runtime_diff)), **extra, "lossy": lossy})
     elif stat:
         click.echo(diff_stat(report), nl=False)
     else:
-        print_diff(report, color)
-    _report_errors(error_lines(report))
+        print_diff(report, color, runtime=runtime_diff)
+    _report_errors(error_lines(report) + _lossy_line(lossy, report.recipe.name))
     sys.exit(code)
 
 
@@ -228,35 +163,30 @@ def diff(path, recipe_name, select, ignore, upstream, jobs, verbose, fmt, stat, 
 @click.argument("path", type=click.Path(path_type=Path))
 @recipe_options
 @friendly
-def check(path, recipe_name, select, ignore, upstream, jobs, verbose, fmt) -> None:
+def check(path, **options) -> None:
     """Report each step's status; writes nothing. A site apply would rewrite is `pending`.
 
-    Exit 0: nothing to do; 1: changes pending; 2: a step no longer matches, a file was
-    skipped, or an error.
+    Exit 0: nothing to do; 1: changes pending, a step no longer matches, a file was
+    skipped, or the selection is lossy; 2: bad input.
     """
-    report = _run("check", recipe_name, path, select, ignore, upstream, jobs)
-    code = report.exit_code(pending=True)
+    o = _configured(path, options)
+    verbose, fmt, concise, allow_lossy = o.pop("verbose"), o.pop("fmt"), o.pop("output_format") == "concise", o.pop("allow_lossy")
+    recipe_name = o.pop("recipe_name")
+    report = _run("check", recipe_name, path, **o)
+    lossy = [] if allow_lossy else api.lossy_steps(report, api.load_recipe(recipe_name))
+    code = EXIT_FAILED if lossy else report.exit_code(pending=True)
     if fmt == "json":
-        print_json(patch_payload(report, "check", code))
+        print_json({**patch_payload(report, "check", code), "lossy": lossy})
+    elif concise:
+        click.echo(concise_text(report), nl=False)
     else:
         print_summary(report, "check", verbose)
         click.echo(check_text(report), nl=False)
-    _report_errors(error_lines(report))
+    _report_errors(error_lines(report) + _lossy_line(lossy, report.recipe.name))
+    if report.changed and not report.no_match and not lossy:
+        suggestion = f"ddpatch diff {path}" + ("" if report.skipped else f"    then: ddpatch apply {path} --out PATCHED")
+        _next_step(suggestion, fmt if not concise else "json")
     sys.exit(code)
-
-
-def _ints(value: str | None, minimum: int | None = None, flag: str = "") -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        out = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}", param_hint=flag or None) from None
-    if not out:
-        raise click.BadParameter(f"expected at least one integer, got {value!r}", param_hint=flag or None)
-    if minimum is not None and any(v < minimum for v in out):
-        raise click.BadParameter(f"every value must be >= {minimum}, got {value!r}", param_hint=flag or None)
-    return out
 
 
 verify_options = _options(
@@ -288,7 +218,7 @@ def _verify_options(presets, target, draft, scripted_draft, trust_remote_code, s
                 seeds=_ints(seeds, 0, "--seeds"), tree_budgets=_ints(tree_budgets, 1, "--tree-budgets"), **rest)
 
 
-def _verify_and_report(tree: Path, fmt: str, timeout: float, options: dict) -> int:
+def _verify_and_report(tree: Path, fmt: str, timeout: float, options: dict, html_file: Path | None = None) -> int:
     try:
         with verify_progress(show=fmt != "json") as progress:
             outcome = api.verify(tree, timeout=timeout, progress=progress, **options)
@@ -300,6 +230,10 @@ def _verify_and_report(tree: Path, fmt: str, timeout: float, options: dict) -> i
             print_json(verify_payload(outcome, code))
         else:
             render_verify(outcome)
+        if html_file is not None:
+            from .report.html import write_html
+
+            write_html(outcome, html_file)
     except Exception as exc:  # a bug of ours must not read as a verdict on the tree
         return _verify_failed(fmt, f"internal error: rendering the report failed: {type(exc).__name__}: {exc}", EXIT_INTERNAL)
     return code
@@ -321,17 +255,31 @@ sampling_options = _options(
     click.option("--sampling-runs", type=click.IntRange(min=0), default=None, help="Seeded runs of the distributional test (default 200; 0: off)."),
     click.option("--default-init", is_flag=True, help="Keep transformers' default init of the presets' state parameters (a weaker test: for controls)."),
     click.option("--logit-tolerance", type=click.FloatRange(min=0, min_open=True), default=None,
-                 help="Largest |logit difference| the logits oracle allows (default per dtype: float32 1e-4, bfloat16 0.25, float16 0.05)."),
+                 help="Largest |logit difference| the logits oracle allows (default: calibrated in the run, 4 x the measured noise floor; float32 at least 3e-5)."),
+)
+
+
+generate_options = _options(
+    click.option("--generate", is_flag=True, help="Verify transformers' own speculative generate() under patcher.lossless "
+                 "(no PATH): token identity, logits, acceptance and speed against plain generate()."),
+    click.option("--mode", "modes", default=None, help="With --generate: comma-separated modes among "
+                 "mtp,assistant,prompt-lookup,dflash,early-exit (default: all)."),
+    click.option("--assistant", type=click.Path(path_type=Path), default=None,
+                 help="With --generate --target: a local assistant model folder."),
 )
 
 
 @main.command()
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", type=click.Path(path_type=Path), required=False)
 @verify_options
 @sampling_options
+@generate_options
+@click.option("--html", "html_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Also write an offline, self-contained HTML page: |Δlogit| per position against the tolerance, near-ties, acceptance.")
 @FORMAT
 @friendly
-def verify(path, timeout, temperature, top_p, top_k, sampling_runs, default_init, logit_tolerance, fmt, **verify_options) -> None:
+def verify(path, timeout, temperature, top_p, top_k, sampling_runs, default_init, logit_tolerance, fmt, generate, modes, assistant,
+           html_file, **verify_options) -> None:
     """Prove a patched tree decodes losslessly: speculative greedy output must equal the target's greedy.
 
     Loads the tree's own dflash_generate / ddtree_generate / DFlashDraftModel in a child
@@ -347,13 +295,48 @@ def verify(path, timeout, temperature, top_p, top_k, sampling_runs, default_init
     ddpatch verify patched/ --preset tiny-qwen3_5-vlm
     ddpatch verify patched/ --target /models/Qwen3.6-27B --draft /models/Qwen3.6-27B-DFlash --device-map auto --dtype bfloat16
     ddpatch verify patched/ --target /models/Qwen3.6-27B --scripted-draft    # prove the rollback before any drafter exists
+    ddpatch verify --generate --preset tiny-nemotron-h --mode assistant,prompt-lookup   # generate() under patcher.lossless
     """
+    verify_options = _configured(path, {**verify_options, "fmt": fmt})  # presets and format from the config file
+    fmt = verify_options.pop("fmt")
     options = _verify_options(**verify_options)
     if (top_p is not None or top_k is not None) and not temperature:
         raise Failure("--top-p and --top-k need --temperature > 0")
+    if generate:
+        sys.exit(_verify_generate(path, fmt, modes, assistant, options, temperature, top_p, top_k, sampling_runs))
+    if path is None:
+        raise Failure("missing PATH (the patched tree to verify), or --generate")
     options.update(temperature=temperature, top_p=top_p, top_k=top_k, sampling_runs=sampling_runs, default_init=default_init or None,
                    logit_tolerance=logit_tolerance)
-    sys.exit(_verify_and_report(path, fmt, timeout, options))
+    sys.exit(_verify_and_report(path, fmt, timeout, options, html_file))
+
+
+def _verify_generate(path, fmt, modes, assistant, options, temperature, top_p, top_k, sampling_runs) -> int:
+    """``verify --generate``: ``patcher.verify.generate_mode`` in this process, the same report."""
+    from .verify.generate_mode import MODES, run_generate
+
+    if path is not None:
+        raise Failure(f"--generate takes no PATH (got {path}): it verifies transformers' generate(), not a tree")
+    chosen = [m.strip() for m in (modes or ",".join(MODES)).split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in MODES]
+    if unknown or not chosen:
+        raise Failure(f"--mode: unknown mode(s) {', '.join(unknown) or '(none)'}; known: {', '.join(MODES)}")
+    if assistant is not None and not options.get("target"):
+        raise Failure("--assistant needs --target (the presets bring their own assistant)")
+    for flag, folder in (("--target", options.get("target")), ("--assistant", assistant)):
+        if folder is not None and not Path(folder).is_dir():
+            raise Failure(f"{flag} {folder} is not a folder")
+    try:
+        outcome = run_generate(modes=chosen, assistant=str(assistant) if assistant else None, temperature=temperature, top_p=top_p,
+                               top_k=top_k, sampling_runs=sampling_runs, **options)
+    except Exception as exc:  # one line, and JSON on every path
+        return _verify_failed(fmt, f"{type(exc).__name__}: {exc}".splitlines()[0], EXIT_INTERNAL)
+    code = EXIT_OK if outcome.passed else EXIT_PENDING
+    if fmt == "json":
+        print_json(verify_payload(outcome, code))
+    else:
+        render_verify(outcome)
+    return code
 
 
 @main.command()
@@ -361,22 +344,42 @@ def verify(path, timeout, temperature, top_p, top_k, sampling_runs, default_init
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Keep the patched tree here (default: a temporary folder).")
 @click.option("--no-verify", is_flag=True, help="Only patch and show the diff.")
 @verify_options
+@FORMAT
 @friendly
-def demo(upstream, out, no_verify, timeout, **verify_options) -> None:
-    """The main job on the embedded default: patch the built-in upstream-shaped code, show the diff, verify it."""
+def demo(upstream, out, no_verify, timeout, fmt, **verify_options) -> None:
+    """The main job on the embedded default: patch the built-in upstream-shaped code, show the diff, verify it.
+
+    With --format json: one object, the patch report under "patch" and verify's under "verify".
+    """
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="ddpatch-demo-") as tmp:
         report = api.patch_builtin(upstream, out or Path(tmp) / upstream)
+        code = EXIT_FAILED if report.no_match else EXIT_OK
+        if fmt == "json":
+            sys.exit(_demo_json(report, code, no_verify, timeout, verify_options))
         print_summary(report, "apply")
         print_diff(report, created=False)
         click.echo(demo_text(report, upstream, kept=out is not None), nl=False)
-        if report.no_match:
-            sys.exit(EXIT_ERROR)
-        if no_verify:
-            return
+        if report.no_match or no_verify:
+            sys.exit(code)
         code = _verify_and_report(report.root, "text", timeout, _verify_options(**verify_options))
     sys.exit(code)
+
+
+def _demo_json(report, code: int, no_verify: bool, timeout: float, verify_options: dict) -> int:
+    payload = {"command": "demo", "patch": patch_payload(report, "apply", code, diff=diff_text(report, runtime=False)), "verify": None}
+    if code == EXIT_OK and not no_verify:
+        try:
+            outcome = api.verify(report.root, timeout=timeout, **_verify_options(**verify_options))
+        except api.VerifyError as exc:
+            print_json({**payload, **error_payload("demo", str(exc), exc.exit_code)})
+            click.echo(f"ddpatch: error: {exc}", err=True)
+            return exc.exit_code
+        code = EXIT_OK if outcome.passed else EXIT_FAILED
+        payload["verify"] = verify_payload(outcome, code)
+    print_json({**payload, "exit_code": code})
+    return code
 
 
 @main.command()
@@ -387,98 +390,25 @@ def demo(upstream, out, no_verify, timeout, **verify_options) -> None:
 def revert(path: Path, force: bool, fmt: str) -> None:
     """Undo the latest in-place `ddpatch apply` on PATH, byte for byte (contents and modes).
 
-    A file edited since the apply is left alone (and nothing is restored) unless --force.
-    The journals are kept outside the tree under $DDPATCH_HOME (default ~/.cache/ddpatch).
+    A file edited since the apply is left alone (and nothing is restored) unless --force,
+    which names each such file and keeps its edited text as <file>.orig. A journal entry
+    whose path leaves the tree is refused. The journals are kept outside the tree under
+    $DDPATCH_HOME (default ~/.cache/ddpatch).
 
-    Exit 0: restored; 2: nothing recorded for PATH, a file changed since, or bad input
-    (one `ddpatch: error:` line on stderr).
+    Exit 0: restored, or already reverted; 2: nothing recorded for PATH, a file changed
+    since, or bad input (one `ddpatch: error:` line on stderr).
     """
 
-    restored = api.revert(path, force=force)
+    result = api.revert(path, force=force)
     if fmt == "json":
-        print_json(revert_payload(str(path.resolve()), restored, EXIT_OK))
+        print_json(revert_payload(str(path.resolve()), result, EXIT_OK))
     else:
-        click.echo(revert_text(restored), nl=False)
+        click.echo(revert_text(result), nl=False)
 
 
 # ----------------------------------------------------------------------------- ci
-def _ci_ints(value: str | None, flag: str) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        out = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise Failure(f"{flag}: expected comma-separated integers, got {value!r}") from None
-    if not out or any(v < 0 or flag == "--tree-budgets" and v < 1 for v in out):
-        raise Failure(f"{flag}: expected comma-separated integers >= {1 if flag == '--tree-budgets' else 0}, got {value!r}")
-    return out
-
-
-@main.command("ci", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--recipe", "recipe_name", default=None, help="A built-in recipe name or a path to a recipe .toml.")
-@click.option("--repo", type=click.Path(path_type=Path), default=None, help="The upstream git repository (a clone or a bare repository); read only.")
-@click.option("--rev", default="HEAD", show_default=True, help="The newest commit to check (any commit-ish).")
-@click.option("--since", default=None, help="Also check every commit after this known-good one, up to --rev; it is the baseline.")
-@click.option("--upstream", default=None, help="Treat every commit as this upstream layout instead of detecting it.")
-@click.option("--all-commits", is_flag=True, help=f"Evaluate every commit of the range (default: bisect ranges of more than {api.BISECT_THRESHOLD}).")
-@click.option("--verify", "do_verify", is_flag=True, help="Also run `ddpatch verify` on each evaluated commit's patched tree.")
-@click.option("--preset", "presets", multiple=True, help="With --verify: built-in tiny model (repeatable; default tiny-qwen3_5).")
-@click.option("--seeds", default=None, help="With --verify: comma-separated seeds.")
-@click.option("--prompts", type=click.IntRange(min=1), default=None, help="With --verify: prompts per seed.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=None, help="With --verify: new tokens per prompt.")
-@click.option("--block-size", type=click.IntRange(min=2), default=None, help="With --verify: draft block size.")
-@click.option("--tree-budgets", default=None, help="With --verify: DDTree node budgets, comma-separated.")
-@click.option("--verify-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True, help="With --verify: seconds per commit before the verifier is stopped.")
-@click.option("--format", "fmt", type=click.Choice(list(CI_FORMATS)), default="text", show_default=True, help="Output format (stdout).")
-@click.option("--junit-file", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Also write the JUnit XML report here.")
-@click.option("--sarif-file", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Also write the SARIF 2.1.0 report here.")
-@click.option("--json-file", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Also write the JSON report here.")
-@click.option("--hunk-lines", type=int, default=api.HUNK_LINES, show_default=True, help="Lines of upstream diff shown per change (0: all).")
-@click.option("--update-lock", is_flag=True, help="When the run is green, record --rev as last_verified for its upstream in the lock file.")
-@click.option("--lock", "lock_path", type=click.Path(path_type=Path, dir_okay=False), default=None, help="The lock file for --update-lock (default: vendored/upstream.lock of this ddpatch).")
-@click.option("--jobs", "-j", type=int, default=1, show_default=True, help="Worker processes per commit for the recipe engine.")
-@click.option("--print-workflow", is_flag=True, help="Print a GitHub Actions workflow that runs this on a schedule, and exit.")
-def ci(recipe_name, repo, rev, since, upstream, all_commits, do_verify, presets, seeds, prompts, max_new_tokens, block_size,
-       tree_budgets, verify_timeout, fmt, junit_file, sarif_file, json_file, hunk_lines, update_lock, lock_path, jobs, print_workflow) -> None:
-    """Re-verify a recipe against upstream commits: per commit and step, applied / already-applied /
-    fixed-upstream / no-match, and the first commit at which each step's status changed.
-
-    Each commit is read from the repository's object store into a temporary tree; the
-    repository, its checkout and its index are never written. The exit status is judged on
-    --rev: 0 every step matches (and verify passed); 1 a step is no-match or verify failed;
-    2 bad input or a repository that cannot be read.
-
-    \b
-    ddpatch ci --recipe qwen3_6-gdn --repo ../dflash --rev main
-    ddpatch ci --recipe qwen3_6-gdn --repo ../dflash --since 44947fb
-    ddpatch ci --recipe qwen3_6-gdn --repo ../ddtree --since dafc3b9 --verify --preset tiny-qwen3_5
-    ddpatch ci --recipe qwen3_6-gdn --repo ../ddtree --format junit > results.xml
-    ddpatch ci --print-workflow > .github/workflows/ddpatch-upstream-ci.yml
-    """
-    if print_workflow:
-        click.echo(api.workflow_template(), nl=False)
-        return
-    if not recipe_name:
-        raise Failure("--recipe is required (a built-in recipe name or a .toml path)")
-    if repo is None:
-        raise Failure("--repo is required (the upstream git repository to check)")
-    verify_options = None
-    if do_verify:
-        verify_options = {k: v for k, v in dict(
-            presets=list(presets) or None, seeds=_ci_ints(seeds, "--seeds"), prompts=prompts, max_new_tokens=max_new_tokens,
-            block_size=block_size, tree_budgets=_ci_ints(tree_budgets, "--tree-budgets")).items() if v is not None}
-    progress = (lambda line: click.echo(f"ddpatch ci: {line}", err=True)) if sys.stderr.isatty() else None
-    try:
-        result = api.ci(recipe_name, repo, rev=rev, since=since, upstream=upstream, verify=verify_options, verify_timeout=verify_timeout,
-                        jobs=jobs, all_commits=all_commits, hunk_lines=hunk_lines, lock=lock_path, update_lock=update_lock,
-                        progress=progress)
-    except (api.CIError, api.RecipeError) as exc:
-        raise Failure(str(exc)) from None
-    for path, kind in ((junit_file, "junit"), (sarif_file, "sarif"), (json_file, "json")):
-        if path is not None:
-            path.write_text(render_ci_as(result, kind), encoding="utf-8")
-    click.echo(render_ci_as(result, fmt), nl=False)
-    sys.exit(result.exit_code)
+main.add_command(ci)
+main.add_command(env_command)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -27,8 +27,12 @@ NO_MATCH = "no-match"
 PENDING, SKIPPED = "pending", "skipped"
 #: The statuses that say a step holds.
 GREEN = frozenset({APPLIED, ALREADY_APPLIED, FIXED_UPSTREAM})
-#: Exit codes a result implies (the CLI's: 0 done, 1 pending or failed, 2 error, 3 internal).
-EXIT_OK, EXIT_FAILED, EXIT_ERROR, EXIT_INTERNAL = 0, 1, 2, 3
+#: The exit codes of every command, as ruff's (documented once, in docs/exit-codes.md):
+#: 0 clean; 1 findings (changes pending in check/diff, a no-match step, a skipped file, a failed
+#: verify check, a lossy step selection); 2 usage or input error; 3 internal crash; 130 Ctrl-C.
+EXIT_OK, EXIT_FAILED, EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+#: Another name for ``EXIT_FAILED``: the run found something (not an error of the input).
+EXIT_FINDINGS = EXIT_FAILED
 #: Pseudo-step of ci findings about upstream-layout detection.
 LAYOUT = "(layout)"
 
@@ -128,9 +132,9 @@ class Report:
         return [s for s in self.steps if s.status == NO_MATCH]
 
     def exit_code(self, pending: bool) -> int:
-        """2 if a step is no-match or a file was skipped; else 1 if ``pending`` and a file would change; else 0."""
+        """1 (a finding) if a step is no-match, a file was skipped, or ``pending`` and a file would change; else 0."""
         if self.no_match or self.skipped:
-            return EXIT_ERROR
+            return EXIT_FAILED
         return EXIT_FAILED if pending and self.changed else EXIT_OK
 
     def as_dict(self) -> dict:
@@ -160,6 +164,18 @@ class ApplyResult:
     written: list[str] = field(default_factory=list)
     out: Path | None = None
     blocked: bool = False
+    #: Lossless steps the selection left out (``api.lossy_steps``).
+    lossy: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RevertResult:
+    """What ``revert`` did: the files restored; with ``--force``, (file, backup) for each file whose
+    later edits it overwrote; or the journal that was already reverted (nothing to do)."""
+
+    restored: list[str] = field(default_factory=list)
+    overwritten: list[tuple[str, str]] = field(default_factory=list)
+    already_reverted: str | None = None
 
 
 @dataclass

@@ -8,6 +8,7 @@ a cycle, a CLI import or a long module shows the check failing.
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -40,7 +41,8 @@ def test_the_import_graph_has_no_cycle_and_points_down(graph):
     assert [u for u, deps in packages.items() if "cli" in deps] == ["__main__"]  # nothing else imports the CLI
     assert packages["results"] == ["__init__"] and packages["errors"] == []
     assert packages["runtime"] == []
-    assert set(packages["report"]) <= {"results", "__init__"}
+    assert set(packages["report"]) <= {"results", "env", "__init__"}  # env: plain version facts for the verify header
+    assert packages["env"] == []
     assert not set(packages["engine"]) & {"verify", "ci", "report", "api", "cli"}
 
 
@@ -61,16 +63,16 @@ def test_the_graph_check_fails_on_an_upward_import_a_cycle_and_a_long_module(gra
     _append(root / "patcher" / "errors.py", "\nfrom .results import Report\n")  # results <-> errors
     _append(root / "patcher" / "report" / "diff.py", "\nfrom ..cli import main\n")
     _append(root / "patcher" / "verify" / "models.py", "\nfrom ..results import Outcome\n")  # the child reaches out
-    _append(root / "patcher" / "runtime.py", "\nimport transformers\n")  # at module level
+    _append(root / "patcher" / "runtime" / "verify.py", "\nimport transformers\n")  # at module level
     _append(root / "patcher" / "api.py", "\n" * 500)
     (root / "patcher" / "ci" / "__init__.py").write_text('"""ci."""\n')
     found = "\n".join(graph.analyse(root)["violations"])
     assert "patcher.engine.files imports patcher.report.text: engine may import only" in found
     assert "import cycle between modules: patcher.errors -> patcher.results" in found
-    assert "patcher.errors imports patcher.results: errors (layer 6) may import only lower layers" in found
+    assert re.search(r"patcher\.errors imports patcher\.results: errors \(layer \d+\) may import only lower layers", found)
     assert "patcher.report.diff imports patcher.cli: nothing imports the CLI" in found
     assert "patcher.verify.models imports patcher.results: the verifier's child modules" in found
-    assert "patcher.runtime imports transformers" in found
+    assert "patcher.runtime.verify imports transformers" in found
     assert "patcher.api:" in found and "over 500" in found
     assert "patcher.ci/__init__.py: its docstring must be two lines" in found
 
@@ -97,7 +99,7 @@ def test_the_api_example_of_the_readme(tmp_path):
     assert "+++ b/ddtree.py" in diff_text(report)
     result = api.apply(tree, recipe="qwen3_6-gdn", out=tmp_path / "patched", jobs=1)
     assert isinstance(result, ApplyResult) and not result.blocked
-    assert "ddtree.py" in result.written and (tmp_path / "patched" / "_ddpatch_runtime.py").exists()
+    assert "ddtree.py" in result.written and (tmp_path / "patched" / "_ddpatch_runtime" / "__init__.py").exists()
     again = api.check(tmp_path / "patched", jobs=1)
     assert {s.status for s in again.steps} <= {"already-applied", "fixed-upstream"} and not again.changed
     assert (tree / "ddtree.py").read_text() == (VENDORED / "ddtree" / "ddtree.py").read_text()  # the original is untouched

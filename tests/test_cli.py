@@ -87,7 +87,7 @@ def test_check_then_apply_out_then_reapply(ddtree, tmp_path):
     payload = json.loads(applied.stdout)
     assert statuses(payload) == {s: "applied" for s in STEPS}
     assert snapshot(ddtree) == before, "--out must leave the original untouched"
-    assert (out / "_ddpatch_runtime.py").exists()
+    assert (out / "_ddpatch_runtime" / "__init__.py").exists()
     for site in (s for step in payload["steps"] for s in step["sites"]):
         assert site["line"] > 0 and site["column"] > 0 and site["path"]
 
@@ -126,14 +126,25 @@ def test_diff_stat_json_and_plain(ddtree):
     diff = run("diff", ddtree, *RECIPE, "--color", "never")
     assert diff.exit_code == 1
     assert "--- a/dflash.py" in diff.output and "+++ b/dflash.py" in diff.output
-    assert "--- /dev/null" in diff.output and "+++ b/_ddpatch_runtime.py" in diff.output
+    # the runtime copy is one line per file, not thousands of lines of ddpatch's own code
+    runtime_lines = [line for line in diff.output.splitlines() if "_ddpatch_runtime/" in line]
+    assert runtime_lines and all(line.startswith("# ddpatch runtime copy: ") for line in runtime_lines), runtime_lines[:3]
+    assert "--- /dev/null" not in diff.output
+    full = run("diff", ddtree, *RECIPE, "--color", "never", "--runtime-diff")
+    assert "--- /dev/null" in full.output and "+++ b/_ddpatch_runtime/__init__.py" in full.output
     assert "\x1b[" not in diff.output, "plain output when not a terminal"
     colored = run("diff", ddtree, *RECIPE, "--color", "always")
     assert "\x1b[" in colored.output
     stat = run("diff", ddtree, *RECIPE, "--stat")
     assert stat.exit_code == 1 and "files changed" in stat.output and "dflash.py" in stat.output
+    runtime_rows = [line for line in stat.output.splitlines() if "_ddpatch_runtime" in line]
+    assert len(runtime_rows) == 1 and "ddpatch runtime copy" in runtime_rows[0], "the runtime copy is listed once"
+    assert not [line for line in stat.output.splitlines() if line != line.rstrip()], "no trailing padding"
     data = json.loads(run("diff", ddtree, *RECIPE, "--format", "json").stdout)
-    assert data["exit_code"] == 1 and data["diff"].startswith("--- a/")
+    assert data["exit_code"] == 1 and data["diff"].startswith("--- a/") and "stat" not in data
+    data = json.loads(run("diff", ddtree, *RECIPE, "--format", "json", "--stat").stdout)
+    stat_paths = [row["path"] for row in data["stat"]]
+    assert "dflash.py" in stat_paths and sum("_ddpatch_runtime" in p for p in stat_paths) == 1, "--stat is honoured with JSON"
 
 
 def test_select_and_ignore(ddtree):
@@ -157,15 +168,15 @@ def test_no_match_blocks_writes_and_exits_2(ddtree):
     (ddtree / "ddtree.py").write_text(source.replace("def compact_dynamic_cache(", "def compact_cache_renamed("))
     before = snapshot(ddtree)
     result = run("apply", ddtree, *RECIPE, "--format", "json")
-    assert result.exit_code == 2
+    assert result.exit_code == 1
     payload = json.loads(result.stdout)
     assert statuses(payload)["tree-commit"] == "no-match"
     anchor = [a for s in payload["steps"] if s["id"] == "tree-commit" for a in s["anchors"]][0]
     assert "compact_dynamic_cache" in anchor["message"]
     assert snapshot(ddtree) == before, "nothing is written when a step is no-match"
-    assert run("check", ddtree, *RECIPE).exit_code == 2
+    assert run("check", ddtree, *RECIPE).exit_code == 1
     partial = run("apply", ddtree, *RECIPE, "--allow-partial")
-    assert partial.exit_code == 2 and snapshot(ddtree) != before
+    assert partial.exit_code == 1 and snapshot(ddtree) != before
 
 
 def test_unparseable_file_is_reported_as_the_cause_and_skipped(ddtree):
@@ -174,7 +185,7 @@ def test_unparseable_file_is_reported_as_the_cause_and_skipped(ddtree):
     broken.write_text(source)
     before = snapshot(ddtree)
     result = run("apply", ddtree, *RECIPE, "--format", "json")
-    assert result.exit_code == 2
+    assert result.exit_code == 1
     payload = json.loads(result.stdout)
     files = {f["path"]: f for f in payload["files"]}
     assert "cannot parse" in files["dflash.py"]["error"]
@@ -188,7 +199,7 @@ def test_unparseable_file_is_reported_as_the_cause_and_skipped(ddtree):
     assert errors[0].startswith("ddpatch: error: skipped dflash.py: cannot parse")
     assert not [line for line in errors if "no-match" in line]
     partial = run("apply", ddtree, *RECIPE, "--allow-partial", "--format", "json")
-    assert partial.exit_code == 2
+    assert partial.exit_code == 1
     assert broken.read_text() == source
     assert "DynamicCache(config=target.config)" in (ddtree / "ddtree.py").read_text()
 
@@ -274,19 +285,19 @@ def test_bad_file_is_one_line_skipped_and_the_rest_is_patched(kind, ddtree, tmp_
     if kind == "read-only":  # only writing it is a problem
         assert diff.exit_code == 1 and not lines and f"+++ b/{bad.name}" in diff.output
     else:
-        assert diff.exit_code == 2
+        assert diff.exit_code == 1
         assert len(lines) == 1 and lines[0].startswith(f"ddpatch: error: skipped {bad.name}: ") and BAD_KINDS[kind] in lines[0]
 
     tree_before = snapshot(ddtree)
     blocked = run("apply", ddtree, *RECIPE)
-    assert blocked.exit_code == 2
+    assert blocked.exit_code == 1
     assert snapshot(ddtree) == tree_before, "nothing is written while a file is skipped"
     lines = [line for line in blocked.stderr.splitlines() if bad.name in line]
     assert len(lines) == 1 and lines[0].startswith(f"ddpatch: error: skipped {bad.name}: ") and BAD_KINDS[kind] in lines[0]
     assert "--allow-partial" in blocked.stderr.splitlines()[-1]
 
     applied = run("apply", ddtree, *RECIPE, "--allow-partial")
-    assert applied.exit_code == 2
+    assert applied.exit_code == 1
     lines = [line for line in applied.stderr.splitlines() if bad.name in line]
     assert len(lines) == 1 and lines[0].startswith(f"ddpatch: error: skipped {bad.name}: ") and BAD_KINDS[kind] in lines[0]
     assert "DynamicCache(config=target.config)" in (ddtree / "dflash.py").read_text(), "the rest of the tree is patched"
@@ -300,10 +311,10 @@ def test_read_only_file_gets_no_runtime_helper_beside_it(ddtree):
     (ddtree / "model" / "dflash.py").chmod(0o444)
     before = (ddtree / "model" / "dflash.py").read_bytes()
     result = run("apply", ddtree, *RECIPE, "--allow-partial")
-    assert result.exit_code == 2 and "ddpatch: error: skipped model/dflash.py: read-only file" in result.stderr
+    assert result.exit_code == 1 and "ddpatch: error: skipped model/dflash.py: read-only file" in result.stderr
     assert (ddtree / "model" / "dflash.py").read_bytes() == before
-    assert not (ddtree / "model" / "_ddpatch_runtime.py").exists()
-    assert (ddtree / "_ddpatch_runtime.py").exists()
+    assert not (ddtree / "model" / "_ddpatch_runtime").exists()
+    assert (ddtree / "_ddpatch_runtime" / "__init__.py").exists()
 
 
 def test_read_only_file_is_patched_into_a_copy(ddtree, tmp_path):
@@ -344,7 +355,9 @@ def test_killed_apply_leaves_whole_files_and_revert_restores_them(ddtree, tmp_pa
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and snapshot(ddtree) == before:
+        # the runtime folder is staged and renamed first; wait for the first user file itself
+        ours = [p for p in changed if "_ddpatch_runtime" not in p]
+        while time.monotonic() < deadline and not any(snapshot(ddtree).get(p) == patched[p] for p in ours):
             time.sleep(0.05)
         proc.send_signal(signal.SIGKILL)  # in the pause after the first replaced file
         proc.wait(timeout=30)
@@ -352,7 +365,7 @@ def test_killed_apply_leaves_whole_files_and_revert_restores_them(ddtree, tmp_pa
         if proc.poll() is None:
             proc.kill()
     now = snapshot(ddtree)
-    assert not [p for p in now if p.endswith(".ddpatch-tmp")]
+    assert not [p for p in now if any(part.endswith((".ddpatch-tmp", ".ddpatch-old")) for part in p.split("/"))]
     for path in changed:
         assert now.get(path) in (before.get(path), patched[path]), f"{path} is neither original nor patched"
     done = [p for p in changed if now.get(p) == patched[p]]
@@ -386,7 +399,7 @@ def test_run_recipe_reports_progress(ddtree):
 
     calls = []
     report = run_recipe(load_recipe("qwen3_6-gdn"), ddtree, jobs=2, progress=lambda done, total: calls.append((done, total)))
-    total = len([f for f in report.files if not f.path.endswith("_ddpatch_runtime.py")])
+    total = len([f for f in report.files if "_ddpatch_runtime" not in f.path])
     assert calls == [(i, total) for i in range(1, total + 1)]
 
 
@@ -405,3 +418,89 @@ def test_libcst_tool_command_runs_the_same_steps():
     theirs = QwenRecipe(CodemodContext(filename=str(path))).transform_module(cst.parse_module(text)).code
     ours, _sites, _ = transform_source(text, [(s, CODEMODS[s.codemod]) for s in load_recipe("qwen3_6-gdn").steps], in_package=False)
     assert theirs == ours != text
+
+
+# ----------------------------------------------------------------------------- issue 24, "What we met": output that points at the next step
+def test_check_lists_every_file_that_would_change_and_describes_sites_truly(ddtree):
+    result = run("check", ddtree, *RECIPE)
+    assert result.exit_code == 1
+    table, _, files = result.output.partition("file(s) would change:")
+    changed = [line.split()[0] for line in files.splitlines() if line.startswith("  ")]
+    assert "model/dflash.py" in changed and "model/dflash.py: " in table, "a file with sites outside the anchors is in the table"
+    data = json.loads(run("check", ddtree, *RECIPE, "--format", "json").stdout)
+    for f in data["files"]:
+        if f["changed"] and "_ddpatch_runtime" not in f["path"]:
+            assert f["path"] in changed, f["path"]
+    assert sum("_ddpatch_runtime" in line for line in files.splitlines()) <= 2, "the runtime copy: one line per folder"
+    assert "in the decode loop" not in run("check", ddtree, *RECIPE, "-v").output
+    assert not [line for line in result.output.splitlines() if line != line.rstrip()], "no trailing padding when piped"
+    assert result.output.rstrip().splitlines()[-1].startswith(f"next: ddpatch diff {ddtree}")
+
+
+def test_apply_ends_with_the_next_command(ddtree, tmp_path):
+    out = tmp_path / "patched"
+    result = run("apply", ddtree, *RECIPE, "--out", out)
+    assert result.exit_code == 0
+    assert result.output.rstrip().splitlines()[-1].startswith(f"next: ddpatch verify {out}")
+
+
+def test_a_selection_that_drops_the_lossless_steps_warns_and_exits_1(ddtree, tmp_path):
+    lossy = ["--select", "crop-compat,input-embeddings,target-cache-config"]
+    before = snapshot(ddtree)
+    result = run("apply", ddtree, *RECIPE, *lossy)
+    assert result.exit_code == 1 and snapshot(ddtree) == before, "nothing is written"
+    lines = [line for line in result.stderr.splitlines() if "lossy" in line]
+    assert len(lines) == 1 and "verify-forward" in lines[0] and "--allow-lossy" in lines[0]
+    assert run("check", ddtree, *RECIPE, *lossy).exit_code == 1
+    assert run("apply", ddtree, *RECIPE, *lossy, "--allow-lossy", "--out", tmp_path / "o").exit_code == 0
+    on_dflash = run("check", ddtree, *RECIPE, "--ignore", "tree-commit")
+    assert "tree-commit" in on_dflash.stderr, "tree-commit is lossless on a DDTree layout"
+
+
+def test_concise_output_is_one_path_line_col_line_per_site(ddtree):
+    result = run("check", ddtree, *RECIPE, "--output-format", "concise")
+    assert result.exit_code == 1
+    import re
+
+    pattern = re.compile(r"^\S+:\d+:\d+: \S+ (pending|no-match|skipped|applied|already-applied|fixed-upstream) .+$")
+    lines = result.stdout.splitlines()
+    assert lines and all(pattern.match(line) for line in lines), [line for line in lines if not pattern.match(line)][:3]
+    assert any(":" in line and " verify-forward pending " in line for line in lines)
+
+
+def test_recipes_list_keeps_whole_sentences_and_show_gives_each_step_its_own_example():
+    listed = run("recipes", "list").output.splitlines()[0]
+    assert listed.rstrip().endswith("with transformers 5.x."), listed
+    shown = run("recipes", "show", "qwen3_6-gdn").output
+    window = shown[shown.index("draft-sliding-window  ["):shown.index("tree-commit  [")]
+    assert "draft_forward(" in window and "verify_forward(" not in window
+    example = window[window.index("example"):]
+    changed = [line for line in example.splitlines() if line.lstrip().startswith(("-", "+"))]
+    assert not [line for line in changed if "def generate" in line or "while True" in line], "unchanged lines are context"
+
+
+def test_print_workflow_fits_a_users_fork():
+    text = run("ci", "--print-workflow").output
+    assert "pip install -e ." not in text and "vendored/" not in text
+    assert "ddpatch-upstream.lock" in text and "DDPATCH_INSTALL" in text
+
+
+def test_update_lock_defaults_to_a_lock_beside_the_fork(tmp_path, monkeypatch):
+    from patcher.ci.lock import default_lock_path, update_lock
+
+    monkeypatch.chdir(tmp_path)
+    assert default_lock_path() == tmp_path / "ddpatch-upstream.lock"
+    assert update_lock(default_lock_path(), "ddtree", "a" * 40)
+    import tomllib
+
+    assert tomllib.loads(default_lock_path().read_text())["ddtree"]["last_verified"] == "a" * 40
+
+
+def test_verify_help_states_the_float32_tolerance_the_code_uses():
+    import re
+
+    from patcher.verify.calibration import FLOAT32_MIN_TOLERANCE
+
+    text = " ".join(run("verify", "--help").output.split())
+    found = re.search(r"float32 at least ([0-9.e-]+)", text)
+    assert found and float(found.group(1).rstrip(".")) == FLOAT32_MIN_TOLERANCE

@@ -56,5 +56,5 @@ EXAMPLES = [(cls.ID, i, ex.clean()) for cls in CODEMODS.values() for i, ex in en
 
 @pytest.mark.parametrize("codemod,i,example", EXAMPLES, ids=[f"{c}#{i}" for c, i, _ in EXAMPLES])
 def test_documented_example(codemod, i, example):
-    after, _, _ = run_codemod(codemod, example.before)
+    after, _, _ = run_codemod(codemod, example.before, **example.params)
     assert after == example.after

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -84,7 +85,7 @@ def test_usage_error_from_a_real_process_says_ddpatch_error():
         (["diff", ".", "--recipe", "nope", "--format=json"], "diff", "unknown recipe"),
         (["verify", "/nonexistent/tree", "--format", "json"], "verify", "not a directory"),
         (["verify", ".", "--timeout", "0", "--format", "json"], "verify", "--timeout"),
-        (["ci", "--repo", ".", "--format", "json"], "ci", "--recipe is required"),
+        (["ci", "--recipe", "qwen3.6-gdn", "--repo", ".", "--format", "json"], "ci", "did you mean qwen3_6-gdn?"),
     ],
 )
 def test_json_errors_print_one_object(args, command, needle):
@@ -161,7 +162,7 @@ def test_a_blocked_apply_reports_its_sites_pending(ddtree):
     source = (ddtree / "ddtree.py").read_text()
     (ddtree / "ddtree.py").write_text(source.replace("def compact_dynamic_cache(", "def compact_cache_renamed("))
     result = run("apply", ddtree, *RECIPE, "--format", "json")
-    assert result.exit_code == 2
+    assert result.exit_code == 1  # a no-match step is a finding
     statuses = {s["id"]: s["status"] for s in json.loads(result.stdout)["steps"]}
     assert statuses["tree-commit"] == "no-match" and "applied" not in statuses.values() and "pending" in statuses.values()
     lines = result.stderr.strip().splitlines()
@@ -174,8 +175,8 @@ def test_read_only_file_blocks_the_apply_and_its_sites_say_skipped(ddtree):
     target.chmod(0o444)
     before = {p: p.read_bytes() for p in ddtree.rglob("*.py")}
     result = run("apply", ddtree, *RECIPE, "--format", "json")
-    assert result.exit_code == 2
-    assert {p: p.read_bytes() for p in ddtree.rglob("*.py")} == before and not list(ddtree.rglob("_ddpatch_runtime.py"))
+    assert result.exit_code == 1  # a skipped file is a finding
+    assert {p: p.read_bytes() for p in ddtree.rglob("*.py")} == before and not list(ddtree.rglob("_ddpatch_runtime*"))
     payload = json.loads(result.stdout)
     sites = [site for s in payload["steps"] for site in s["sites"] if site["path"] == "model/dflash.py"]
     assert sites and {site["status"] for site in sites} == {"skipped"}
@@ -211,36 +212,148 @@ def test_revert_force_restores_the_original_contents(ddtree):
     assert run("apply", ddtree, *RECIPE).exit_code == 0
     edited = ddtree / "dflash.py"
     edited.write_text(edited.read_text() + "\n# my own change\n")
-    (ddtree / "_ddpatch_runtime.py").write_text("# edited helper\n")
+    (ddtree / "_ddpatch_runtime" / "verify.py").write_text("# edited helper\n")
     refused = run("revert", ddtree)
     assert refused.exit_code == 2 and "# my own change" in edited.read_text()
     forced = run("revert", ddtree, "--force", "--format", "json")
     assert forced.exit_code == 0
-    assert "dflash.py" in json.loads(forced.stdout)["restored"]
-    now = {p.relative_to(ddtree): p.read_bytes() for p in ddtree.rglob("*") if p.is_file()}
+    payload = json.loads(forced.stdout)
+    assert "dflash.py" in payload["restored"]
+    assert {o["path"]: o["backup"] for o in payload["overwritten"]} == {"dflash.py": "dflash.py.orig",
+                                                                        "_ddpatch_runtime/verify.py": "_ddpatch_runtime/verify.py.orig"}
+    assert (ddtree / "dflash.py.orig").read_text().endswith("# my own change\n"), "the later edit is kept as a .orig"
+    now = {p.relative_to(ddtree): p.read_bytes() for p in ddtree.rglob("*") if p.is_file() and not p.name.endswith(".orig")}
     assert now == original, "--force puts back the original bytes, and removes the files apply created"
 
 
 def test_a_stale_runtime_copy_is_refreshed(ddtree):
-    from patcher.engine.files import _runtime_source
+    from patcher.engine.files import runtime_sources
 
     assert run("apply", ddtree, *RECIPE).exit_code == 0
-    helper = ddtree / "_ddpatch_runtime.py"
+    helper = ddtree / "_ddpatch_runtime" / "commit.py"
     current = helper.read_text()
-    assert current == _runtime_source()
+    assert current == runtime_sources()["commit.py"]
     stale = current.replace("def crop_cache(", "def crop_cache_old(")
     helper.write_text(stale)
-    patched = {p: p.read_bytes() for p in ddtree.rglob("*.py") if p.name != "_ddpatch_runtime.py"}
+    patched = {p: p.read_bytes() for p in ddtree.rglob("*.py") if "_ddpatch_runtime" not in p.parts}
     check = run("check", ddtree, *RECIPE, "--format", "json")
     assert check.exit_code == 1
-    assert [f["path"] for f in json.loads(check.stdout)["files"] if f["changed"]] == ["_ddpatch_runtime.py"]
+    assert [f["path"] for f in json.loads(check.stdout)["files"] if f["changed"]] == ["_ddpatch_runtime/commit.py"]
     again = run("apply", ddtree, *RECIPE, "--format", "json")
-    assert again.exit_code == 0 and json.loads(again.stdout)["written"] == ["_ddpatch_runtime.py"]
+    assert again.exit_code == 0 and json.loads(again.stdout)["written"] == ["_ddpatch_runtime/commit.py"]
     assert helper.read_text() == current
-    assert {p: p.read_bytes() for p in ddtree.rglob("*.py") if p.name != "_ddpatch_runtime.py"} == patched
+    assert {p: p.read_bytes() for p in ddtree.rglob("*.py") if "_ddpatch_runtime" not in p.parts} == patched
     assert run("check", ddtree, *RECIPE).exit_code == 0
 
 
 def test_bare_ddpatch_shows_the_help_not_an_error():
     result = run()
     assert "Usage: " in result.output and "ddpatch: error" not in result.output
+
+
+# ----------------------------------------------------------------------------- issue 24, "What we met", item 9: bad input
+def test_a_fifo_named_like_python_is_skipped_with_a_reason_not_read(tmp_path):
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "timing.py").write_text(TIMING)
+    os.mkfifo(tree / "x.py")
+    proc = subprocess.run([sys.executable, "-m", "patcher", "check", str(tree), *RECIPE, "--select", "cpu-safe-timing"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)  # a FIFO read would hang: the timeout fails it
+    assert proc.returncode == 1
+    assert "ddpatch: error: skipped x.py: not a regular file (a FIFO); not read" in proc.stderr
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda p: (p / "notes.txt").write_text("x"), "not a Python file"),
+    (lambda p: (p / "empty").mkdir(), "empty directory"),
+])
+def test_a_non_python_file_and_an_empty_folder_say_so(tmp_path, make, needle):
+    make(tmp_path)
+    target = tmp_path / ("notes.txt" if needle.startswith("not") else "empty")
+    result = run("check", target, *RECIPE)
+    assert result.exit_code == 2
+    one_error_line(result, needle)
+
+
+def test_a_single_file_hints_at_the_checkout_root(ddtree):
+    result = run("check", ddtree / "ddtree.py", *RECIPE)
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines  # not one "not defined anywhere" per step
+    assert lines[0].startswith("ddpatch: error: ddtree.py is a single file: ") and "pass the checkout's root folder" in lines[0]
+    assert "dflash_generate" in lines[0]
+
+
+def test_a_read_only_tree_gives_one_reason_suggests_out_and_says_checked(ddtree):
+    files = sorted(ddtree.rglob("*.py"))
+    for path in files:
+        path.chmod(0o444)
+    result = run("apply", ddtree, *RECIPE)
+    assert result.exit_code == 1
+    errors = result.stderr.strip().splitlines()
+    reasons = [line for line in errors if "read-only file" in line]
+    assert len(reasons) == 1 and "skipped 5 files" in reasons[0], errors
+    assert any("pass --out DIR" in line for line in errors)
+    assert "not checked:" not in result.output and "checked, not written" in result.output, "the files were read and checked"
+
+
+def test_a_second_revert_says_already_reverted(tmp_path):
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "timing.py").write_text(TIMING)
+    assert run("apply", tree, *RECIPE, "--select", "cpu-safe-timing").exit_code == 0
+    assert run("revert", tree).exit_code == 0
+    again = run("revert", tree)
+    assert again.exit_code == 0 and again.output.startswith("already reverted") and "moved" not in again.output
+    assert json.loads(run("revert", tree, "--format", "json").stdout)["already_reverted"] is True
+
+
+@pytest.mark.parametrize("entry", ["../outside.py", "/etc/evil.py", "link/evil.py"])
+def test_revert_refuses_a_journal_entry_that_leaves_the_tree(tmp_path, entry):
+    from patcher.engine import journal
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "timing.py").write_text(TIMING)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tree / "link").symlink_to(outside)
+    path = journal.record(tree, {"timing.py": TIMING}, "qwen3_6-gdn v1")
+    payload = json.loads(path.read_text())
+    payload["files"][0]["path"] = entry
+    path.write_text(json.dumps(payload))
+    result = run("revert", tree)
+    assert result.exit_code == 2
+    one_error_line(result, "refusing to revert")
+    assert not (tmp_path / "outside.py").exists() and not list(outside.iterdir())
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["check", ".", "-j", "0"], "0 is not in the range x>=1"),
+    (["check", ".", "-j", "-3"], "-3 is not in the range x>=1"),
+    (["check", ".", "--select", ""], "--select: no step id given"),
+    (["ci", "--repo", ".", "--preset", "foo"], "--preset only apply with --verify"),
+    (["ci", "--repo", ".", "-j", "0"], "0 is not in the range x>=1"),
+])
+def test_values_that_were_accepted_silently_are_rejected(args, needle):
+    result = run(*args)
+    assert result.exit_code == 2
+    one_error_line(result, needle)
+
+
+def test_recipes_show_json_error_names_the_subcommand():
+    result = run("recipes", "show", "nope", "--format", "json")
+    assert result.exit_code == 2
+    assert json.loads(result.stdout)["command"] == "recipes show"
+
+
+def test_ci_never_prints_a_placeholder_for_the_commit_tree(tmp_path):
+    repo = tmp_path / "up"
+    repo.mkdir()
+    env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_AUTHOR_NAME": "t",
+           "GIT_AUTHOR_EMAIL": "t@example.com", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.com"}
+    for args in (["init", "-q", "-b", "main"], ["commit", "-q", "--allow-empty", "-m", "empty"]):
+        subprocess.run(["git", "-C", str(repo), *args], check=True, env=env, capture_output=True)
+    result = run("ci", "--recipe", "qwen3_6-gdn", "--repo", repo)
+    assert result.exit_code == 1
+    assert "<tree>" not in result.output and f"{repo}@" in result.output

@@ -98,7 +98,7 @@ def detected(tree: Path) -> str | None:
 
 
 def patched(tree: Path, out: Path, ignore: str | None = None) -> Path:
-    args = ["apply", tree, "--recipe", "qwen3_6-gdn", "--out", out] + (["--ignore", ignore] if ignore else [])
+    args = ["apply", tree, "--recipe", "qwen3_6-gdn", "--out", out] + (["--ignore", ignore, "--allow-lossy"] if ignore else [])
     proc = ddpatch(*args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out

@@ -62,7 +62,7 @@ def patched(tmp_path: Path, upstream: str, ignore: str | None = None) -> Path:
     out = tmp_path / f"{upstream}-patched"
     args = ["apply", ROOT / "vendored" / upstream, "--recipe", "qwen3_6-gdn", "--out", out]
     if ignore:
-        args += ["--ignore", ignore]
+        args += ["--ignore", ignore, "--allow-lossy"]  # a deliberately lossy tree: a control
     proc = ddpatch(*args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
@@ -112,6 +112,9 @@ def test_full_recipe_is_lossless_on_every_hybrid_preset(full):
         for method in model["methods"]:
             hist = {int(k): v for k, v in method["acceptance_histogram"].items()}
             assert len(hist) > 1, f"{model['model']} {method['method']}: acceptance never varied"
+            # every method (the chain and each tree budget) kept part of a block at least once:
+            # a pass where each round accepted all or nothing would not exercise the rollback
+            assert any(1 < k < 4 for k in hist), f"{model['model']} {method['method']}: no partial acceptance ({hist})"
 
 
 def test_full_recipe_on_dflash_layout(tmp_path):
@@ -119,6 +122,7 @@ def test_full_recipe_on_dflash_layout(tmp_path):
     code, payload = verify_json(tree, "--preset", "tiny-qwen3_5-vlm")
     assert code == 0, [c for c in checks_of(payload).values() if not c["passed"]]
     assert [m["method"] for m in payload["models"][0]["methods"]] == ["dflash"]
+    assert payload["models"][0]["partial_acceptances"] > 0, "the DFlash layout's rollback was never exercised"
 
 
 def test_unpatched_tree_fails_to_load_with_a_hint():
@@ -294,4 +298,4 @@ def test_demo_end_to_end(tmp_path):
     for line in ("lossless: dflash", "lossless: ddtree_tb4", "runs without ddpatch"):
         assert re.search(rf"{re.escape(line)}\s+pass", out), line
     assert out.rstrip().endswith("PASS: every check passed")
-    assert (tmp_path / "demo" / "_ddpatch_runtime.py").is_file()
+    assert (tmp_path / "demo" / "_ddpatch_runtime" / "__init__.py").is_file()

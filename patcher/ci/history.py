@@ -86,7 +86,7 @@ class Evaluator:
             try:
                 report = run_recipe(self.recipe, tree, upstream=self.upstream, jobs=self.jobs)
             except EngineError as exc:
-                ev.error = str(exc).replace(str(tree), "<tree>")
+                ev.error = str(exc).replace(str(tree), f"{self.repo.path}@{sha[:7]}")
                 for spec in self.recipe.steps:
                     if spec.applies_to(self.upstream):
                         ev.steps[spec.id] = {"id": spec.id, "codemod": spec.codemod, "status": NO_MATCH, "sites": [],
@@ -99,11 +99,11 @@ class Evaluator:
             ev.skipped = [{"path": f.path, "error": f.error} for f in report.skipped]
             ev.changed = [f.path for f in report.changed]
             if self.verify is not None:
-                ev.verify = self._verify(report, tree, write_report)
+                ev.verify = self._verify(report, tree, write_report, sha)
         ev.seconds = time.perf_counter() - start
         return ev
 
-    def _verify(self, report, tree: Path, write_report) -> dict:
+    def _verify(self, report, tree: Path, write_report, sha: str = "") -> dict:
         blocked = [s.spec.id for s in report.no_match]
         if blocked:
             return {"passed": None, "skipped": f"not run: step(s) {', '.join(blocked)} no-match", "checks": []}
@@ -111,8 +111,9 @@ class Evaluator:
         try:
             outcome = run_verify(tree, timeout=self.verify_timeout, **self.verify)
         except VerifyError as exc:
-            return {"passed": False, "error": str(exc).replace(str(tree), "<tree>"), "checks": [
-                {"model": "-", "check": "verify runs", "passed": False, "evidence": str(exc).replace(str(tree), "<tree>")}]}
+            where = f"{self.repo.path}@{sha[:7]}"  # the commit's tree, named as the user knows it
+            return {"passed": False, "error": str(exc).replace(str(tree), where), "checks": [
+                {"model": "-", "check": "verify runs", "passed": False, "evidence": str(exc).replace(str(tree), where)}]}
         res = outcome.result
         checks = [{"model": "-", "check": c["check"], "passed": bool(c["passed"]), "evidence": c.get("evidence", "")} for c in res.get("checks", [])]
         for m in res.get("models", []):

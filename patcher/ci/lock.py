@@ -10,8 +10,12 @@ from ..results import EXIT_OK, CIResult
 from .git import CIError
 
 
+#: The lock file ``--update-lock`` writes by default: beside the user's fork (the working folder), never in ddpatch's source.
+DEFAULT_LOCK = "ddpatch-upstream.lock"
+
+
 def default_lock_path() -> Path:
-    return Path(__file__).resolve().parent.parent.parent / "vendored" / "upstream.lock"
+    return Path.cwd() / DEFAULT_LOCK
 
 
 def update_lock_text(text: str, table: str, commit: str) -> str:
@@ -61,7 +65,12 @@ def update_lock(path: Path, table: str, commit: str) -> bool:
     """Set ``last_verified``; returns whether the file changed."""
     from ..engine.files import atomic_write  # the engine (and libcst) only when the lock is written
 
-    old = path.read_text(encoding="utf-8")
+    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    if f"[{table}]" not in old:  # a new lock beside the fork, or a new upstream in it: add its table
+        old_text, old = old, old + ("\n" if old and not old.endswith("\n") else "") + f"[{table}]\n"
+        new = update_lock_text(old, table, commit)
+        atomic_write(path, new)
+        return new != old_text
     new = update_lock_text(old, table, commit)
     if new != old:
         atomic_write(path, new)

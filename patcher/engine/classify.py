@@ -206,7 +206,9 @@ def mark_skipped(report: Report) -> None:
         for a in step.anchors:
             path = a.path if a.path in bad else defined_in.get(a.function) if a.path is None else None
             if path is not None and a.status in (NO_MATCH, APPLIED, PENDING):
-                a.status, a.message, a.path = SKIPPED, f"not checked: {path} skipped: {bad[path]}", path
+                # a read-only file was read and checked; it is only not written
+                verb = "checked, not written" if bad[path].startswith("read-only") else "not checked"
+                a.status, a.message, a.path = SKIPPED, f"{verb}: {path} skipped: {bad[path]}", path
         statuses = {a.status for a in step.anchors} | {s.status for s in step.sites}
         if SKIPPED in statuses and NO_MATCH not in statuses:
             step.status = SKIPPED

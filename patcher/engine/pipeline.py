@@ -71,8 +71,26 @@ def discover(root: Path, recipe: Recipe) -> tuple[list[Path], list[FileResult]]:
                 if not path.resolve().is_relative_to(root):
                     skipped.append(FileResult(rel, None, error="symlink points outside the tree; not followed"))
                 continue  # writing through a link would replace it with a file
+            kind = _not_regular(path)
+            if kind:  # reading a FIFO would wait forever for a writer
+                skipped.append(FileResult(rel, None, error=f"not a regular file ({kind}); not read"))
+                continue
             found.append(path)
     return found, skipped
+
+
+def _not_regular(path: Path) -> str | None:
+    """What ``path`` is when it is not a regular file (a FIFO, a socket, a device), else None."""
+    import stat
+
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None  # gone, or unreadable: reading it reports why
+    if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+        return None
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file")
 
 
 # ----------------------------------------------------------------------------- stage 2: prefilter
@@ -173,7 +191,7 @@ def transform_source(text: str, steps: list[tuple[StepSpec, type]], in_package: 
     sites: list[Site] = []
     needs_runtime = False
     for (spec, cls), step in zip(steps, instances):
-        if cls.USES_RUNTIME and any(s.status in (APPLIED, PATCHED) for s in step.sites):
+        if step.USES_RUNTIME and any(s.status in (APPLIED, PATCHED) for s in step.sites):  # a step may say per file
             needs_runtime = True
         for site in step.sites:
             site.step = spec.id
@@ -283,6 +301,10 @@ def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: in
         raise EngineError(f"path does not exist: {root}")
     root = root.resolve()
     base = root if root.is_dir() else root.parent
+    if not root.is_dir() and _not_regular(root):
+        raise EngineError(f"not a regular file or folder ({_not_regular(root)}): {root}; pass the checkout's root folder")
+    if root.is_file() and not covers(recipe, root.name):
+        raise EngineError(f"not a Python file: {root}; pass the checkout's root folder (or a .py file)")
     if root.is_dir() and not any(root.iterdir()):
         raise EngineError(f"empty directory: {root}")
     paths, skipped = discover(root, recipe)

@@ -7,6 +7,7 @@ architecture means writing a TOML file, not engine code.
 
 from __future__ import annotations
 
+import difflib
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
@@ -57,6 +58,9 @@ class Recipe:
     verified: dict[str, str] = field(default_factory=dict)
     #: model_type -> the verify preset that shows the patched tree refusing it in one line
     refused: dict[str, str] = field(default_factory=dict)
+    #: The steps without which a patched tree decodes lossy on a hybrid model (--select/--ignore
+    #: that leaves one out, where it applies, warns and exits 1 unless --allow-lossy).
+    lossless: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -145,7 +149,16 @@ def parse_recipe(text: str, source: str = "<string>") -> Recipe:
         source=source,
         verified=_model_presets(data.get("verified"), f"{source}: verified"),
         refused=_model_presets(data.get("refused"), f"{source}: refused"),
+        lossless=_lossless(data.get("lossless"), seen, source),
     )
+
+
+def _lossless(value: Any, ids: set[str], source: str) -> tuple[str, ...]:
+    out = _tuple(value, f"{source}: lossless")
+    unknown = [v for v in out if v not in ids]
+    if unknown:
+        raise RecipeError(f"{source}: lossless names unknown step(s) {', '.join(unknown)}")
+    return out
 
 
 def _model_presets(value: Any, where: str) -> dict[str, str]:
@@ -161,6 +174,19 @@ def builtin_recipes() -> dict[str, Path | Any]:
     return {p.name[: -len(".toml")]: p for p in files.iterdir() if p.name.endswith(".toml")}
 
 
+def did_you_mean(name: str, known: list[str]) -> str:
+    """`` (did you mean X?)`` for the known name closest to ``name`` ("." and "_" read alike), or ""."""
+    def norm(s: str) -> str:
+        return s.lower().replace(".", "_").replace("-", "_")
+
+    exact = [k for k in known if norm(k) == norm(name)]
+    close = exact or difflib.get_close_matches(norm(name), [norm(k) for k in known], n=1, cutoff=0.6)
+    if not close:
+        return ""
+    match = exact[0] if exact else next(k for k in known if norm(k) == close[0])
+    return f" (did you mean {match}?)"
+
+
 def load_recipe(name_or_path: str) -> Recipe:
     """A built-in recipe by name, or a recipe file by path."""
     known = builtin_recipes()
@@ -170,4 +196,5 @@ def load_recipe(name_or_path: str) -> Recipe:
     path = Path(name_or_path)
     if path.suffix == ".toml" and path.is_file():
         return parse_recipe(path.read_text(encoding="utf-8"), source=str(path))
-    raise RecipeError(f"unknown recipe {name_or_path!r}; known: {', '.join(sorted(known)) or 'none'}")
+    hint = did_you_mean(name_or_path, sorted(known))
+    raise RecipeError(f"unknown recipe {name_or_path!r}{hint}; known: {', '.join(sorted(known)) or 'none'}")

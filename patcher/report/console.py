@@ -27,6 +27,16 @@ def console(stream: IO[str] | None = None, color: str = "auto"):
     )
 
 
+def print_table(con, table) -> None:
+    """Print a rich table; piped, without the padding rich puts at the end of each line."""
+    if con.is_terminal:
+        con.print(table)
+        return
+    with con.capture() as captured:
+        con.print(table)
+    con.file.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
+
+
 def print_json(payload: dict, stream=None) -> None:
     (stream or sys.stdout).write(json.dumps(payload, indent=2) + "\n")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+from pathlib import PurePosixPath
 from typing import IO
 
 from ..results import FileResult, Report
@@ -17,14 +18,37 @@ def unified_diff(f: FileResult) -> str:
     return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)
 
 
-def diff_text(report: Report, created: bool = True) -> str:
-    """The unified diff of every changed file; ``created=False`` leaves out files ddpatch adds."""
-    return "".join(unified_diff(f) for f in report.changed if created or f.original is not None)
+RUNTIME_NAME = "_ddpatch_runtime"
 
 
-def diff_stat(report: Report) -> str:
-    rows = []
-    total_add = total_del = 0
+def is_runtime(path: str) -> bool:
+    """Whether ``path`` is part of the runtime copy ddpatch adds (``_ddpatch_runtime.py`` or a file of ``_ddpatch_runtime/``)."""
+    parts = PurePosixPath(path).parts
+    return bool(parts) and (parts[-1] == RUNTIME_NAME + ".py" or RUNTIME_NAME in parts[:-1])
+
+
+def runtime_line(f: FileResult) -> str:
+    """One line for a runtime file in a diff: what it is and how to see all of it."""
+    n = len((f.patched or "").splitlines())
+    what = "new" if f.original is None else "updated"
+    return f"# ddpatch runtime copy: {f.path} ({what}, {n} lines; --runtime-diff prints it)\n"
+
+
+def diff_text(report: Report, created: bool = True, runtime: bool = True) -> str:
+    """The unified diff of every changed file; ``created=False`` leaves out files ddpatch adds,
+    ``runtime=False`` puts one line per runtime file in place of its diff."""
+    out = []
+    for f in report.changed:
+        if not created and f.original is None:
+            continue
+        out.append(unified_diff(f) if runtime or not is_runtime(f.path) else runtime_line(f))
+    return "".join(out)
+
+
+def diff_stat_rows(report: Report) -> list[dict]:
+    """Per changed file (the runtime copy once, as one row): path, insertions, deletions."""
+    rows: list[dict] = []
+    runtime = None
     for f in report.changed:
         add = rem = 0
         for line in unified_diff(f).splitlines()[2:]:
@@ -32,17 +56,37 @@ def diff_stat(report: Report) -> str:
                 add += 1
             elif line.startswith("-"):
                 rem += 1
-        total_add, total_del = total_add + add, total_del + rem
-        rows.append((f.path, add, rem))
-    width = max((len(p) for p, _, _ in rows), default=0)
-    out = [f" {p.ljust(width)} | {a + r:4d} {'+' * min(a, 40)}{'-' * min(r, 40)}" for p, a, r in rows]
-    out.append(f" {len(rows)} file{'s' if len(rows) != 1 else ''} changed, {total_add} insertions(+), {total_del} deletions(-)")
+        if is_runtime(f.path):
+            if runtime is None:
+                runtime = {"path": "", "insertions": 0, "deletions": 0, "files": []}
+                rows.append(runtime)
+            runtime["files"].append(f.path)
+            runtime["insertions"] += add
+            runtime["deletions"] += rem
+            continue
+        rows.append({"path": f.path, "insertions": add, "deletions": rem})
+    if runtime is not None:
+        n = len(runtime["files"])
+        runtime["path"] = f"{RUNTIME_NAME} (ddpatch runtime copy, {n} file{'s' if n != 1 else ''})"
+    return rows
+
+
+def diff_stat(report: Report) -> str:
+    rows = diff_stat_rows(report)
+    width = max((len(r["path"]) for r in rows), default=0)
+    out = []
+    for r in rows:
+        a, d = r["insertions"], r["deletions"]
+        out.append(f" {r['path'].ljust(width)} | {a + d:4d} {'+' * min(a, 40)}{'-' * min(d, 40)}".rstrip())
+    n = sum(len(r.get("files", [r["path"]])) for r in rows)
+    added, removed = sum(r["insertions"] for r in rows), sum(r["deletions"] for r in rows)
+    out.append(f" {n} file{'s' if n != 1 else ''} changed, {added} insertions(+), {removed} deletions(-)")
     return "\n".join(out) + "\n"
 
 
-def print_diff(report: Report, color: str = "auto", stream: IO[str] | None = None, created: bool = True) -> None:
+def print_diff(report: Report, color: str = "auto", stream: IO[str] | None = None, created: bool = True, runtime: bool = True) -> None:
     con = console(stream, color)
-    text = diff_text(report, created)
+    text = diff_text(report, created, runtime)
     if not con.is_terminal or color == "never":
         con.file.write(text)
         return
@@ -56,6 +100,6 @@ def print_diff(report: Report, color: str = "auto", stream: IO[str] | None = Non
             style = "green"
         elif line.startswith("-"):
             style = "red"
-        elif line.startswith("@@"):
+        elif line.startswith(("@@", "# ddpatch runtime copy")):
             style = "cyan"
         con.print(Text(line, style=style))

@@ -1,0 +1,2 @@
+"""The CLI's building blocks: what every command shares (``base``) and the commands of their own modules.
+Imported by ``patcher.cli`` only."""

@@ -1,0 +1,143 @@
+"""Settings from ``[tool.ddpatch]`` in pyproject.toml or a ddpatch.toml (nearest from the target upward; CLI flags
+override; ``--config FILE``, ``--isolated``), the default recipe, and "did you mean" for recipe names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from patcher.cli import main
+from patcher.config import ConfigError, find_config, load_config
+
+TIMING = "import torch\n\n\ndef timed():\n    torch.cuda.synchronize()\n"
+CROP = "def f(cache):\n    cache.crop(3)\n"
+
+
+@pytest.fixture(autouse=True)
+def _home(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDPATCH_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def checkout(tmp_path: Path) -> Path:
+    root = tmp_path / "checkout"
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "timing.py").write_text(TIMING)
+    return root
+
+
+def steps(result) -> list[str]:
+    return [s["id"] for s in json.loads(result.stdout)["steps"]]
+
+
+def test_pyproject_tool_table_is_read_from_the_target_upward(tmp_path):
+    root = checkout(tmp_path)
+    (root / "pyproject.toml").write_text('[project]\nname = "x"\n\n[tool.ddpatch]\nselect = ["cpu-safe-timing"]\nformat = "json"\njobs = 1\n')
+    result = run("check", root / "pkg")  # no --recipe (the only one), no --select, no --format: all from the file
+    assert result.exit_code == 1, result.output
+    assert steps(result) == ["cpu-safe-timing"]
+    assert find_config(root / "pkg" / "timing.py") == root / "pyproject.toml"
+
+
+def test_cli_flags_override_the_file_and_isolated_ignores_it(tmp_path):
+    root = checkout(tmp_path)
+    (root / "ddpatch.toml").write_text('select = "cpu-safe-timing"\nformat = "json"\n')
+    assert steps(run("check", root, "--select", "crop-compat,cpu-safe-timing")) == ["crop-compat", "cpu-safe-timing"]
+    isolated = run("check", root, "--isolated", "--select", "cpu-safe-timing")
+    assert not isolated.stdout.lstrip().startswith("{"), "--isolated reads no file: text output"
+
+
+def test_ddpatch_toml_wins_over_pyproject_in_the_same_folder_and_a_pyproject_without_the_table_is_passed_over(tmp_path):
+    root = checkout(tmp_path)
+    (root / "pyproject.toml").write_text('[tool.ddpatch]\nselect = ["crop-compat"]\n')
+    (root / "ddpatch.toml").write_text('select = ["cpu-safe-timing"]\n')
+    assert load_config(root).values["select"] == "cpu-safe-timing"
+    (root / "ddpatch.toml").unlink()
+    (root / "pkg" / "pyproject.toml").write_text('[project]\nname = "inner"\n')
+    assert load_config(root / "pkg").path == root / "pyproject.toml"
+
+
+def test_config_file_flag(tmp_path):
+    root = checkout(tmp_path)
+    other = tmp_path / "elsewhere.toml"
+    other.write_text('select = ["cpu-safe-timing"]\nformat = "json"\n')
+    assert steps(run("check", root, "--config", other)) == ["cpu-safe-timing"]
+    missing = run("check", root, "--config", tmp_path / "none.toml")
+    assert missing.exit_code == 2 and "ddpatch: error:" in missing.stderr
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('selct = ["x"]\n', "unknown key 'selct' (did you mean select?)"),
+    ("jobs = 0\n", "jobs must be an integer >= 1"),
+    ('format = "xml"\n', "format must be"),
+    ("select = [\n", "not valid TOML"),
+    ("select = []\n", "select must be a list of step ids"),
+])
+def test_a_bad_config_is_one_line_and_exit_2(tmp_path, text, needle):
+    root = checkout(tmp_path)
+    (root / "ddpatch.toml").write_text(text)
+    result = run("check", root)
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddpatch: error: config ") and needle in lines[0], lines
+    with pytest.raises(ConfigError):
+        load_config(root)
+
+
+def test_recipe_defaults_to_the_only_one_and_names_get_did_you_mean(tmp_path):
+    root = checkout(tmp_path)
+    assert run("check", root, "--select", "cpu-safe-timing").exit_code == 1
+    typo = run("check", root, "--recipe", "qwen3.6-gdn")
+    assert typo.exit_code == 2 and "did you mean qwen3_6-gdn?" in typo.stderr
+    shown = run("recipes", "show", "qwen3.6-gdn")
+    assert shown.exit_code == 2 and "did you mean qwen3_6-gdn?" in shown.stderr
+
+
+def test_a_recipe_path_in_the_config_is_relative_to_the_file(tmp_path):
+    root = checkout(tmp_path)
+    (root / "my.toml").write_text(
+        'name = "mine"\nversion = 1\n[[steps]]\nid = "timing"\ncodemod = "guard-call"\n'
+    )
+    (root / "ddpatch.toml").write_text('recipe = "my.toml"\nformat = "json"\n')
+    result = run("check", root / "pkg")
+    assert json.loads(result.stdout)["recipe"] == "mine"
+    (root / "ddpatch.toml").write_text('recipe = "nope.toml"\nformat = "json"\n')
+    failed = run("check", root / "pkg")
+    assert failed.exit_code == 2 and "unknown recipe" in json.loads(failed.stdout)["error"], "format from the config: JSON on errors too"
+
+
+def test_ci_reads_the_config_of_the_working_folder(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from patcher import api
+
+    seen = {}
+    monkeypatch.setattr(api, "ci", lambda recipe, repo, **k: seen.update(recipe=recipe, **k) or SimpleNamespace(exit_code=0))
+    monkeypatch.setattr("patcher.commands.ci.render_ci_as", lambda result, fmt: "")
+    (tmp_path / "ddpatch.toml").write_text('upstream = "ddtree"\njobs = 3\n')
+    assert run("ci", "--repo", tmp_path).exit_code == 0
+    assert seen["recipe"] == "qwen3_6-gdn" and seen["upstream"] == "ddtree" and seen["jobs"] == 3
+    assert run("ci", "--repo", tmp_path, "--isolated").exit_code == 0
+    assert seen["upstream"] is None
+
+
+def test_verify_reads_presets_and_format_from_the_config(tmp_path, monkeypatch):
+    from patcher import api
+    from patcher.results import Outcome
+
+    seen = {}
+    monkeypatch.setattr(api, "verify", lambda path, **k: seen.update(k) or Outcome({"checks": [{"check": "c", "passed": True}]}, 0.0))
+    root = checkout(tmp_path)
+    (root / "ddpatch.toml").write_text('presets = ["tiny-qwen3"]\nformat = "json"\n')
+    result = run("verify", root)
+    assert result.exit_code == 0 and json.loads(result.stdout)["exit_code"] == 0
+    assert seen["presets"] == ["tiny-qwen3"]
+    run("verify", root, "--preset", "tiny-qwen3_5")
+    assert seen["presets"] == ["tiny-qwen3_5"], "the flag overrides the file"
