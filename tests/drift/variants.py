@@ -865,16 +865,17 @@ BY_NAME = {v.name: v for v in VARIANTS}
 
 
 SELF_MASK = '''def _attention_mask(query, key, *, is_causal, sliding_window):
-    """Additive mask of a block of queries over its keys (the keys' trailing positions are the queries')."""
-    query_position = key.shape[-2] - query.shape[-2] + torch.arange(query.shape[-2], device=query.device)[:, None]
-    key_position = torch.arange(key.shape[-2], device=query.device)[None, :]
-    visible = torch.ones((query.shape[-2], key.shape[-2]), dtype=torch.bool, device=query.device)
+    """Additive [1, 1, q, k] mask: the q queries sit at the last q key positions; a key is hidden when it
+    lies ahead of its query (causal) or at least ``sliding_window`` positions behind it."""
+    n_q, n_k = query.shape[-2], key.shape[-2]
+    offset = (torch.arange(n_q, device=query.device) + (n_k - n_q)).unsqueeze(-1) - torch.arange(n_k, device=query.device)
+    hidden = torch.zeros_like(offset, dtype=torch.bool)
     if is_causal:
-        visible &= key_position <= query_position
+        hidden = hidden | (offset < 0)
     if sliding_window is not None:
-        visible &= query_position - key_position < sliding_window
-    mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
-    return mask.masked_fill(~visible, torch.finfo(query.dtype).min)[None, None]
+        hidden = hidden | (offset >= sliding_window)
+    blocked = torch.full(hidden.shape, torch.finfo(query.dtype).min, dtype=query.dtype, device=query.device)
+    return torch.where(hidden, blocked, torch.zeros_like(blocked)).view(1, 1, n_q, n_k)
 
 
 '''
