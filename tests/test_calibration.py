@@ -119,6 +119,21 @@ def test_the_scripted_mask_id_is_never_emitted_by_the_reference():
     assert all(mask not in r for r in refs)
 
 
+def test_the_scripted_mask_id_is_not_a_prompt_token():
+    """Upstream decoders drop the mask id from the whole row, prompt included: a mask id in the prompt shifts the output."""
+    from types import SimpleNamespace
+
+    prompt = torch.tensor([[5, 9, 3]])
+
+    def target(ids, use_cache=False):  # id 9, a prompt token, has the lowest logits: the natural pick without the rule
+        logits = torch.arange(16.0).repeat(1, ids.shape[1], 1)
+        logits[..., 9] = -100.0
+        return SimpleNamespace(logits=logits)
+
+    mask = checks.never_emitted(target, [prompt], [[1, 2]])
+    assert mask not in (5, 9, 3, 1, 2) and mask == 0
+
+
 def test_the_sampled_scripted_draft_proposes_from_the_targets_distribution():
     target = build_target("tiny-qwen3_5")
     reference = models.random_prompts(1, 12, 0, 60)[0][0].tolist()

@@ -20,12 +20,7 @@ from patcher.verify.presets import PRESETS, build_target
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE_ONLY = "verify-forward,tree-commit,draft-sliding-window"
 SMALL = ("--prompts", "1", "--max-new-tokens", "24", "--tree-budgets", "4", "--format", "json")
-#: A finding, not a verifier fault: on the saved tiny-qwen3 folder the never-emitted mask id the scripted draft picks
-#: (14, not the preset's zero-row 63) makes the full recipe lossy: flagged at the first partial acceptance, float32
-#: |Δlogit| 0.049; with mask id 63 it passes. Owner: runtime/recipe (see verify's report of 2026-12-04).
-MASK_ID_FINDING = pytest.mark.xfail(strict=True, reason="full recipe lossy on tiny-qwen3 with a non-zero-row mask id")
-SERVED = [pytest.param(name, marks=MASK_ID_FINDING) if name == "tiny-qwen3" else name
-          for name, p in PRESETS.items() if p.refusal is None and not name.startswith("mid-")]
+SERVED = [name for name, p in PRESETS.items() if p.refusal is None and not name.startswith("mid-")]
 #: float16 on three families: Gated DeltaNet, Mamba2, Kimi Delta Attention.
 HALF = ["tiny-qwen3_5", "tiny-nemotron-h", "tiny-kimi-linear"]
 
@@ -76,5 +71,17 @@ def test_float16_full_recipe_passes_and_the_control_fails(trees, name):
     assert code == 0, [c for c in model["checks"] if not c["passed"]]
     code, model = verify(trees / "shape", target, "float16")
     assert code == 1 and model["calibration"]["conclusive"]
-    flagged = [r for m in model["methods"] for r in m["runs"] if not r["logits"]["passed"]]
-    assert flagged and all(abs(r["logits"]["first_over"] - r["first_partial"]) <= 2 for r in flagged), flagged
+    flagged = [(m["method"], r) for m in model["methods"] for r in m["runs"] if not r["logits"]["passed"]]
+    assert flagged and all(soon_after_first_partial(method, r) for method, r in flagged), flagged
+
+
+def soon_after_first_partial(method: str, run: dict) -> bool:
+    """A chain control is flagged within 2 positions of its first partial acceptance. A tree control may be
+    flagged earlier: a round whose path was accepted whole still verified rejected sibling branches, and
+    without recording they corrupt the recurrent state too; it must never be flagged later than 2 after."""
+    first_over, first_partial = run["logits"]["first_over"], run["first_partial"]
+    if first_partial is None:
+        return False
+    if method.startswith("ddtree"):
+        return first_over <= first_partial + 2
+    return abs(first_over - first_partial) <= 2

@@ -307,10 +307,11 @@ def lossless_check(name: str, runs: list[dict]) -> dict:
 
 def never_emitted(target, prompts, references) -> int:
     """A mask id for the scripted draft that the target's reference runs never emit: of the ids absent
-    from every reference, the one whose largest logit over the reference positions is lowest."""
+    from every reference and every prompt, the one whose largest logit over the reference positions is lowest.
+    Not a prompt id: upstream decoders drop the mask id from the whole row, prompt included."""
     import torch
 
-    seen = {t for ref in references for t in ref}
+    seen = {t for ref in references for t in ref} | {int(t) for prompt in prompts for t in prompt.flatten().tolist()}
     worst = None
     with torch.inference_mode():
         for prompt, ref in zip(prompts, references):
