@@ -33,7 +33,8 @@ def prefill(m, prompt, record_past: bool = False):
         for layer in cache.layers:  # 5.25 leaves None, which its own GDN forward cannot compare
             if getattr(layer, "recurrent_states_to_keep", 0) is None:
                 layer.recurrent_states_to_keep = 0
-    m(prompt, past_key_values=cache, use_cache=True)
+    with torch.no_grad():  # a shared model may hold inference-mode tensors from earlier tests; nothing here needs grad
+        m(prompt, past_key_values=cache, use_cache=True)
     return cache
 
 
