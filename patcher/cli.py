@@ -1,13 +1,7 @@
 """The ``ddpatch`` command line: click only. Each command calls ``patcher.api`` and renders the
 result object it returns with ``patcher.report``; nothing imports this module.
 
-Exit codes, the same for every command (docs/exit-codes.md):
-  0    clean: nothing pending, every check passed
-  1    findings: changes pending (``check``, ``diff``), a step is no-match, a file was skipped,
-       a verify check failed, a selection that leaves out a lossless step
-  2    usage or input error (one ``ddpatch: error:`` line on stderr says which)
-  3    internal error of ddpatch: not a verdict on the tree
-  130  interrupted (Ctrl-C)
+Exit codes: ``patcher.commands.base`` and docs/exit-codes.md, written down once there.
 """
 
 from __future__ import annotations
