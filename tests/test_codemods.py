@@ -58,3 +58,29 @@ EXAMPLES = [(cls.ID, i, ex.clean()) for cls in CODEMODS.values() for i, ex in en
 def test_documented_example(codemod, i, example):
     after, _, _ = run_codemod(codemod, example.before, **example.params)
     assert after == example.after
+
+
+def test_a_remembered_transform_is_the_transform_and_its_sites_are_the_callers():
+    """``transform_source`` keeps results per process (``ddpatch ci`` meets a file in every commit)."""
+    from pathlib import Path
+
+    from patcher.engine import pipeline
+    from patcher.engine.recipe import load_recipe
+
+    text = (Path(__file__).resolve().parent.parent / "vendored" / "ddtree" / "ddtree.py").read_text()
+    steps = [(s, CODEMODS[s.codemod]) for s in load_recipe("qwen3_6-gdn").steps]
+    pipeline._MEMO.clear()
+    for _ in range(2):  # the first call's sites and a remembered call's sites
+        for site in pipeline.transform_source(text, steps, in_package=False)[1]:
+            site.status, site.path, site.message = "mutated", "elsewhere", ""  # as process_file does, to its copy
+    fresh = pipeline._transform(text, steps, in_package=False)
+    again = pipeline.transform_source(text, steps, in_package=False)
+    assert len(pipeline._MEMO) == 1, "the second call was not remembered"
+    assert again[0] == fresh[0] != text and again[2] == fresh[2]
+    assert [s.as_dict() for s in again[1]] == [s.as_dict() for s in fresh[1]] != []
+    # each input of the transform is in the key: in a package the runtime is imported relatively
+    in_package = pipeline.transform_source(text, steps, in_package=True)[0]
+    assert in_package == pipeline._transform(text, steps, in_package=True)[0] != again[0]
+    crop_only = [(s, c) for s, c in steps if s.id == "crop-compat"]
+    assert pipeline.transform_source(text, crop_only, in_package=False)[0] == pipeline._transform(text, crop_only, in_package=False)[0]
+    assert len(pipeline._MEMO) == 3

@@ -13,9 +13,12 @@ from __future__ import annotations
 import ast
 import dataclasses
 import fnmatch
+import hashlib
+import json
 import os
 import re
 import warnings
+from collections import OrderedDict
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterable
@@ -169,8 +172,40 @@ def _composite(steps):
     return Composite()
 
 
+#: Results of ``transform_source`` by (text, steps with their parameters, in_package), newest last.
+_MEMO: "OrderedDict[tuple, tuple[str | None, tuple[Site, ...], bool]]" = OrderedDict()
+_MEMO_SIZE = 256
+
+
+def _memo_key(text: str, steps: list[tuple[StepSpec, type]], in_package: bool) -> tuple:
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=20).digest()
+    return (digest, len(text), in_package,
+            tuple((spec.id, cls, json.dumps(spec.params, sort_keys=True, default=repr)) for spec, cls in steps))
+
+
 def transform_source(text: str, steps: list[tuple[StepSpec, type]], in_package: bool) -> tuple[str, list[Site], bool]:
-    """Parse ``text`` once and run ``steps`` in one pass; returns new text, sites, and whether the runtime is used."""
+    """Parse ``text`` once and run ``steps`` in one pass; returns new text, sites, and whether the runtime is used.
+
+    A step's edit is a function of the text, its parameters and ``in_package`` alone, so a
+    result is kept for the rest of the process (``_MEMO``): ``ddpatch ci`` meets the same
+    file in commit after commit, and a check followed by an apply in one process (the API,
+    the tests) parses each file once. Callers get their own copies of the sites.
+    """
+    key = _memo_key(text, steps, in_package)
+    hit = _MEMO.get(key)
+    if hit is None:
+        new, sites, needs_runtime = _transform(text, steps, in_package)
+        # an unchanged file (most of them) is kept as None, not as a second copy of its text
+        _MEMO[key] = (None if new == text else new, tuple(dataclasses.replace(s) for s in sites), needs_runtime)
+        if len(_MEMO) > _MEMO_SIZE:
+            _MEMO.popitem(last=False)
+        return new, sites, needs_runtime
+    _MEMO.move_to_end(key)
+    new, sites, needs_runtime = hit
+    return text if new is None else new, [dataclasses.replace(s) for s in sites], needs_runtime
+
+
+def _transform(text: str, steps: list[tuple[StepSpec, type]], in_package: bool) -> tuple[str, list[Site], bool]:
     import libcst as cst
     from libcst.codemod import CodemodContext
     from libcst.codemod.visitors import AddImportsVisitor
