@@ -186,6 +186,41 @@ def test_fires_on_a_perturbed_committed_state(full_tree, kind):
     assert new == reference, "a perturbation this small flips no argmax: only the logits oracle sees it"
 
 
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_the_followed_reference_is_computed_only_as_far_as_a_block_reads_it(full_tree, monkeypatch, kind):
+    """Once the decoder's path leaves the reference (here a perturbed state flips tokens), the
+    scripted draft follows the target's greedy continuation of that path, computed lazily: its
+    proposals, hence every acceptance, equal those of a draft that computes the whole
+    continuation at every follow (as it did before it was made lazy)."""
+    made = []
+
+    class Lazy(oracle.ScriptedDraft):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    class Eager(Lazy):
+        def _follow(self, start, end):  # the whole continuation at once, from the path's prefix
+            from patcher.verify.models import greedy
+
+            prefix = self.context.prefix(start, self.reference)
+            if prefix != self.reference[: len(prefix)]:
+                more = max(len(self.reference) - len(prefix), 0) + 8
+                self.reference = prefix + greedy(self.target, torch.tensor([prefix]), more, use_cache=False)
+
+    runs = {}
+    for cls in (Lazy, Eager):
+        monkeypatch.setattr(oracle, "ScriptedDraft", cls)
+        # seed 1: a block is accepted whole after the path has left the reference, so the next
+        # block reads past what was computed (the lazy extension runs between two blocks)
+        new, reference, acceptance, _verdict, _ = decode(full_tree, kind, perturb_call=3, eps=3.0, new_tokens=48, seed=1)
+        runs[cls.__name__] = (new, acceptance, made[-1].reference[: len(reference) + 8])
+        assert new != reference, "the perturbation flipped no token: nothing was followed"
+    lazy, eager = runs["Lazy"], runs["Eager"]
+    assert any(1 < a < 4 for a in lazy[1]), lazy[1]
+    assert lazy == eager
+
+
 # ----------------------------------------------------------------------------- the control: stronger than greedy
 def verify_runs(tree: Path, preset: str) -> dict:
     proc = ddpatch("verify", tree, "--format", "json", "--preset", preset, "--default-init", "--seeds", "0,1,2",

@@ -94,6 +94,10 @@ class ScriptedDraft:
         import torch
 
         self.reference = list(reference)
+        # after a near-tie the reference is the target's greedy continuation of the decoder's path, as far as
+        # ``horizon``; it is computed lazily (``_extend``), as far as a block asks: every position holds the
+        # token a whole computation would give (a cacheless greedy is a function of its prefix alone)
+        self.horizon = len(self.reference)
         weight = target.get_output_embeddings().weight.detach().float()
         self.vocab = weight.shape[0]
         self.solve = torch.linalg.pinv(weight)  # [hidden, vocab]: h = pinv(W) @ z gives W h = z on W's range
@@ -155,27 +159,37 @@ class ScriptedDraft:
         if self.from_distribution:
             self.rows = self._target_rows(block)
         else:
-            self._follow(block[0])
+            self._follow(block[0], max(block) + 1)
         rows = [self.logits_for(p) for p in block[1:]]
         scripted = (self.solve @ torch.stack(rows).T).T.to(hidden.dtype).to(hidden.device)
         new = hidden.clone()
         new[0, 1:, :] = scripted
         return (new, *output[1:]) if isinstance(output, tuple) else new
 
-    def _follow(self, start: int) -> None:
+    def _follow(self, start: int, end: int) -> None:
         """Greedy: if the decoder's committed path has left the reference (a near-tie), continue the reference
-        with the target's greedy decoding from that path."""
+        with the target's greedy decoding from that path; the block reads positions up to ``end``."""
+        self._extend(start + 1)
+        prefix = self.context.prefix(start, self.reference)
+        if prefix != self.reference[: len(prefix)]:
+            self.horizon = max(self.horizon, len(prefix)) + 8
+            self.reference = prefix
+        self._extend(end)
+
+    def _extend(self, end: int) -> None:
+        """Compute the followed reference up to position ``end`` (not past ``horizon``)."""
         import torch
 
         from .models import greedy
 
-        prefix = self.context.prefix(start, self.reference)
-        if prefix == self.reference[: len(prefix)]:
+        end = min(end, self.horizon)
+        if len(self.reference) >= end:
             return
         device = self.target.get_input_embeddings().weight.device
-        more = max(len(self.reference) - len(prefix), 0) + 8
+        block_ids = self.context.block_ids  # greedy's forwards go through the embeddings too: keep the draft block's
         # without a cache: the logits oracle records only the decoder's cached forwards
-        self.reference = prefix + greedy(self.target, torch.tensor([prefix], device=device), more, use_cache=False)
+        self.reference += greedy(self.target, torch.tensor([self.reference], device=device), end - len(self.reference), use_cache=False)
+        self.context.block_ids = block_ids
 
     def _target_rows(self, block: list[int]):
         """The target's sharpened logits for the block's positions, on the decoder's context (where known, else
