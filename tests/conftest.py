@@ -13,6 +13,12 @@ module-scoped fixtures (a patched tree, a built model) are made once, on one wor
 suite is grouped per variant instead (a variant's apply is shared by its fast and slow tests),
 so its 30-odd variants spread over the workers. Each worker gets its own ``DDPATCH_HOME`` and
 one torch thread.
+
+Each worker also runs a warm verifier (``patcher.verify.runner.warm_verifier``) for the
+session: a ``ddpatch verify`` child, in process or from a ``ddpatch`` subprocess, is forked
+from a process that imported torch and transformers once, instead of a fresh Python (about
+half of a tiny verify's time). ``DDPATCH_TEST_VERIFIER=fresh`` runs every verify the way a
+user's single ``ddpatch verify`` does; ``tests/test_warm_verifier.py`` holds the two equal.
 """
 
 from __future__ import annotations
@@ -78,3 +84,15 @@ def _own_ddpatch_home():
             yield
         finally:
             os.environ.pop("DDPATCH_HOME", None)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _warm_verifier(_own_ddpatch_home):
+    """One warm verifier per test session (per xdist worker); see the module docstring."""
+    if os.environ.get("DDPATCH_TEST_VERIFIER", "warm") == "fresh":
+        yield None
+        return
+    from patcher.verify.runner import warm_verifier
+
+    with warm_verifier() as path:
+        yield path

@@ -567,15 +567,20 @@ def test_print_workflow():
 
 # ----------------------------------------------------------------------------- --verify, once, on real decoding code
 @pytest.mark.slow
-def test_verify_on_a_patched_commit(tmp_path):
+def test_verify_on_a_patched_commit(tmp_path, monkeypatch):
+    from patcher.verify import runner
+
     files = {p.relative_to(ROOT / "vendored" / "dflash").as_posix(): p.read_text()
              for p in sorted((ROOT / "vendored" / "dflash").rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
     repo = tmp_path / "real"
-    make_repo(repo, [("dflash-shaped decoder", files)])
+    first, _ = make_repo(repo, [("dflash-shaped decoder", files), ("notes", {"NOTES.md": "notes\n"})])
     out = tmp_path / "verify.xml"
-    result = run("--recipe", "qwen3_6-gdn", "--repo", repo, "--verify", "--preset", "tiny-qwen3_5", "--seeds", "0",
-                 "--prompts", "1", "--max-new-tokens", "16", "--block-size", "4", "--junit-file", out)
+    monkeypatch.delenv(runner.WARM_ENV, raising=False)  # not the test session's warm verifier: ci starts its own
+    monkeypatch.setattr(runner, "warm_stats", {"fresh": 0, "forked": 0, "refused": []})
+    result = run("--recipe", "qwen3_6-gdn", "--repo", repo, "--since", first, "--verify", "--preset", "tiny-qwen3_5",
+                 "--seeds", "0", "--prompts", "1", "--max-new-tokens", "16", "--block-size", "4", "--junit-file", out)
     assert result.exit_code == 0, result.output
+    assert runner.warm_stats == {"fresh": 0, "forked": 2, "refused": []}, "each commit's verify forked from one warm verifier"
     assert "and verify passed" in result.output
     suite = ET.parse(out).getroot().find("testsuite")
     verify_cases = [c for c in suite.findall("testcase") if c.get("classname", "").endswith(".verify")]

@@ -12,6 +12,10 @@ The pipeline:
     cat-file: the user's checkout, index and refs are never touched; bare repos work)
     -> run_recipe -> [write the patched tree, run_verify] -> bisect per step -> render
 
+With ``--verify`` over more than one commit, every commit's verify is forked from one warm
+verifier (``patcher/verify/warm.py``): torch and transformers are imported once per run,
+not once per commit, and each tree is still judged in a process of its own.
+
 Every commit of a short range is evaluated, and a step changed at a commit when its status
 there differs from its status at each of the commit's parents (the real parents, so that a
 side branch's older code does not look like a change on the main line). A longer range
@@ -33,12 +37,13 @@ from __future__ import annotations
 
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import EngineError
 from ..results import LAYOUT, NO_MATCH, CIResult, CommitEval, Finding
-from ..verify.runner import VerifyError, run_verify
+from ..verify.runner import VerifyError, run_verify, warm_verifier
 from . import BISECT_THRESHOLD, HUNK_LINES
 from .git import CIError, Repo
 from .hunks import hunk
@@ -193,19 +198,8 @@ def run_ci(
     evaluate = Evaluator(recipe, repo, upstream, verify, verify_timeout, jobs, infos, progress)
     bisected = bisect_threshold is not None and len(commits) > bisect_threshold
     steps = [LAYOUT, *(s.id for s in recipe.steps)]
-    if not bisected:
-        for sha in commits:
-            evaluate(sha)
-        changes = _changes_by_parents(repo, commits, steps, evaluate)
-    else:
-        chain = [commits[0], *repo.first_parent_chain(tip, commits[0])]
-        evaluate(chain[0])
-        evaluate(chain[-1])
-        while True:  # a commit evaluated for one step can reveal a change of another: repeat until nothing new is evaluated
-            seen = len(evaluate.cache)
-            changes = {step: _chain_changes(repo, chain, step, evaluate) for step in steps}
-            if len(evaluate.cache) == seen:
-                break
+    with warm_verifier() if verify is not None and len(commits) > 1 else nullcontext():  # torch is imported once, not per commit
+        changes = _evaluate_range(repo, commits, tip, steps, bisected, evaluate)
     index = {sha: i for i, sha in enumerate(commits)}
     findings: list[Finding] = []
     for step in steps:
@@ -219,6 +213,22 @@ def run_ci(
     findings.sort(key=lambda f: (index.get(f.commit.sha, -1), order[f.step]))
     return CIResult(recipe, repo, rev, since, upstream, commits, infos, dict(evaluate.cache), findings, bisected,
                     verify is not None, seconds=time.perf_counter() - start)
+
+
+def _evaluate_range(repo: Repo, commits: list[str], tip: str, steps: list[str], bisected: bool, evaluate):
+    """The commits where a step's status changes, per step: every commit evaluated, or a bisection."""
+    if not bisected:
+        for sha in commits:
+            evaluate(sha)
+        return _changes_by_parents(repo, commits, steps, evaluate)
+    chain = [commits[0], *repo.first_parent_chain(tip, commits[0])]
+    evaluate(chain[0])
+    evaluate(chain[-1])
+    while True:  # a commit evaluated for one step can reveal a change of another: repeat until nothing new is evaluated
+        seen = len(evaluate.cache)
+        changes = {step: _chain_changes(repo, chain, step, evaluate) for step in steps}
+        if len(evaluate.cache) == seen:
+            return changes
 
 
 def _changes_by_parents(repo: Repo, commits: list[str], steps: list[str], evaluate) -> dict[str, list[tuple[str, str]]]:

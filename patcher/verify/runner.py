@@ -1,7 +1,8 @@
 """``ddpatch verify``: run the patched decoder in a child process and judge it.
 
 The parent never imports torch or the patched tree: it starts
-``python .../patcher/verify/worker.py`` (by path: ddpatch is not importable there) with a
+``python .../patcher/verify/worker.py`` (by path: ddpatch is not importable there), or has
+a warm verifier fork one (``warm_verifier``, ``warm.py``), with a
 timeout, in a temporary working directory, offline, with bytecode writing off, passes the
 child's progress lines to ``progress``, and returns the child's final result as an
 ``Outcome`` (``patcher.report`` renders it). It passed only if every check passed; a crash
@@ -12,11 +13,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import VerifierCrash, VerifyError
@@ -49,37 +52,17 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
     if options.get("target") and not options.get("draft") and not options.get("scripted_draft"):
         raise VerifyError("--target needs --draft, or --scripted-draft to build a scripted draft from the tree's DFlashDraftModel")
     cfg = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}, "tree": str(tree.resolve())}
-    env = dict(os.environ)
-    env.update(
-        PYTHONDONTWRITEBYTECODE="1",
-        HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"),
-        TRANSFORMERS_OFFLINE=env.get("TRANSFORMERS_OFFLINE", "1"),
-        TRANSFORMERS_VERBOSITY="error",
-    )
+    env = child_env()
     start = time.perf_counter()
     log: list[str] = []
     result = None
+    deadline = start + timeout
     with tempfile.TemporaryDirectory(prefix="ddpatch-verify-") as workdir:
-        proc = subprocess.Popen(
-            # by path, not -m: the child must not have the patcher package importable (see worker.child_package)
-            [sys.executable, str(Path(__file__).with_name("worker.py"))],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            cwd=workdir,
-            env=env,
-            text=True,
-            start_new_session=True,
-        )
-        proc.stdin.write(json.dumps(cfg))
-        proc.stdin.close()
-        deadline = start + timeout
+        child = _forked_child(cfg, env, workdir, deadline) or _FreshChild(cfg, env, workdir)
         try:
-            result = _read_events(proc, deadline, progress, log)
+            result = _read_events(child, deadline, progress, log)
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            child.kill()
     seconds = time.perf_counter() - start
     if result is None:
         if seconds >= timeout:
@@ -93,20 +76,180 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
     return Outcome(result, seconds, log)
 
 
-def _read_events(proc, deadline: float, progress, log: list[str]) -> dict | None:
+def child_env() -> dict:
+    """The environment a verifier child runs in: offline, no bytecode written."""
+    env = dict(os.environ)
+    env.update(
+        PYTHONDONTWRITEBYTECODE="1",
+        HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"),
+        TRANSFORMERS_OFFLINE=env.get("TRANSFORMERS_OFFLINE", "1"),
+        TRANSFORMERS_VERBOSITY="error",
+    )
+    return env
+
+
+WORKER = Path(__file__).with_name("worker.py")
+
+
+class _FreshChild:
+    """``python worker.py`` in a process of its own (by path, not -m: the child must not have
+    the patcher package importable, see worker.child_package)."""
+
+    def __init__(self, cfg: dict, env: dict, workdir: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+            env=env,
+            text=True,
+            start_new_session=True,
+        )
+        self.stdout = self.proc.stdout
+        self.proc.stdin.write(json.dumps(cfg))
+        self.proc.stdin.close()
+        warm_stats["fresh"] += 1
+
+    def exited(self) -> bool:
+        return self.proc.poll() is not None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.stdout.close()
+
+
+# ----------------------------------------------------------------------------- the warm verifier
+#: Set (to a socket path) while a warm verifier serves this process and its subprocesses.
+WARM_ENV = "DDPATCH_WARM_VERIFIER"
+#: How verify children were started in this process (for the tests and benchmarks):
+#: ``fresh``, ``forked``, and the reasons a warm verifier refused a request.
+warm_stats: dict = {"fresh": 0, "forked": 0, "refused": []}
+
+#: The fields of a verify result that differ between two runs of the same tree (wall-clock figures).
+TIMINGS = frozenset({"seconds", "tokens_per_s", "speedup"})
+
+
+def without_timings(value):
+    """A verify result (or part of one) without its ``TIMINGS``: what two runs of the same tree,
+    fresh or forked, must agree on."""
+    if isinstance(value, dict):
+        return {k: without_timings(v) for k, v in value.items() if k not in TIMINGS}
+    if isinstance(value, list):
+        return [without_timings(v) for v in value]
+    return value
+
+
+class _ForkedChild:
+    """A child forked by the warm verifier (``warm.py``): the same ``worker.answer`` in a
+    process of its own, its events on a pipe of ours. It leads its own process group."""
+
+    def __init__(self, pid: int, read_fd: int) -> None:
+        self.pid = pid
+        self.stdout = os.fdopen(read_fd, "r", encoding="utf-8")
+        warm_stats["forked"] += 1
+
+    def exited(self) -> bool:
+        try:
+            os.kill(self.pid, 0)  # the warm verifier reaps its children at once: gone means exited
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def kill(self) -> None:
+        if not self.exited():
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.stdout.close()
+
+
+def _forked_child(cfg: dict, env: dict, workdir: str, deadline: float) -> _ForkedChild | None:
+    """A child from the warm verifier named by ``DDPATCH_WARM_VERIFIER``, or None (none runs,
+    it cannot be reached, or it cannot stand in for a fresh process): the caller starts a fresh one."""
+    import socket
+
+    path = os.environ.get(WARM_ENV)
+    if not path:
+        return None
+    request = {"cfg": cfg, "env": env, "cwd": workdir, "worker": str(WORKER.resolve()), "executable": sys.executable}
+    read_fd, write_fd = os.pipe()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+            conn.settimeout(max(1.0, deadline - time.perf_counter()))
+            conn.connect(path)
+            socket.send_fds(conn, [json.dumps(request).encode()], [write_fd])
+            os.close(write_fd)
+            write_fd = -1
+            reply = json.loads(conn.recv(1 << 16) or b"{}")
+    except (OSError, ValueError) as exc:
+        reply = {"refused": f"unreachable: {exc}"}
+    finally:
+        if write_fd >= 0:
+            os.close(write_fd)
+    if "pid" not in reply:
+        warm_stats["refused"].append(reply.get("refused", "no answer"))
+        os.close(read_fd)
+        return None
+    return _ForkedChild(int(reply["pid"]), read_fd)
+
+
+@contextmanager
+def warm_verifier():
+    """Within this block, ``run_verify`` (here and in subprocesses that inherit the
+    environment) forks its children from one process that imported torch and transformers
+    once, instead of starting a fresh Python per tree: about half of a tiny-preset verify's
+    time. Every tree is still judged in a process of its own (see ``warm.py``). A request it
+    cannot serve exactly, or a warm verifier that died, falls back to a fresh process."""
+    if os.environ.get(WARM_ENV):
+        yield os.environ[WARM_ENV]  # one already serves this process
+        return
+    folder = tempfile.mkdtemp(prefix="ddpatch-warm-")
+    path = os.path.join(folder, "socket")
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), "--serve", path],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=folder, env=child_env(), start_new_session=True,
+    )
+    for _ in range(200):  # it binds before it imports: a request waits in its backlog, not on a missing file
+        if os.path.exists(path) or proc.poll() is not None:
+            break
+        time.sleep(0.01)
+    os.environ[WARM_ENV] = path
+    try:
+        yield path
+    finally:
+        if os.environ.get(WARM_ENV) == path:
+            del os.environ[WARM_ENV]
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _read_events(child, deadline: float, progress, log: list[str]) -> dict | None:
     import selectors
 
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
+    sel.register(child.stdout, selectors.EVENT_READ)
     while True:
         remaining = deadline - time.perf_counter()
         if remaining <= 0:
             return None
         if not sel.select(timeout=min(remaining, 1.0)):
-            if proc.poll() is not None:
+            if child.exited():
                 return None
             continue
-        line = proc.stdout.readline()
+        line = child.stdout.readline()
         if not line:
             return None
         try:

@@ -192,9 +192,8 @@ def run(cfg: dict) -> dict:
     return result
 
 
-def main() -> int:
-    cfg = json.loads(sys.stdin.read())
-    blocker = hide_ddpatch()
+def answer(cfg: dict, blocker: NoDdpatch) -> None:
+    """Judge one tree and print the final ``result`` event."""
     events = sibling("events")
     try:
         result = run(cfg)
@@ -211,6 +210,15 @@ def main() -> int:
     except Exception as exc:
         result = {"crash": "verifier crashed: " + events.error_summary(exc)["error"], "trace": traceback.format_exc()[-4000:]}
     events.emit("result", result=result)
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--serve"]:  # a warm verifier (see warm.py): imports once, forks a child per tree
+        blocker = hide_ddpatch()
+        warm = sibling("warm")
+        return warm.serve(sys.argv[2], answer, blocker, sibling, warm.worker_path())
+    cfg = json.loads(sys.stdin.read())
+    answer(cfg, hide_ddpatch())
     return 0
 
 

@@ -1,0 +1,156 @@
+"""A warm verifier: one process that has imported torch and transformers once, and forks a
+fresh child for every tree it is asked to judge.
+
+A verify child spends about half its time importing (3.5 s of 6.8 s for a two-preset verify
+of a DDTree tree on a 2-core machine; building a tiny preset takes 20 ms). Over many trees
+(``ddpatch ci --verify`` over a range of commits, or the test suite) that import is paid
+once here. Each tree is still judged in a process of its own, a fork taken before any tree
+was imported and before any model was built: a tree's patches, its module names and
+whatever it changes in transformers die with its child and never reach the next tree's
+verdict, as they would not between two fresh processes.
+
+Run as ``python worker.py --serve SOCKET`` (by ``runner.warm_verifier``). It listens on a
+Unix socket in a private folder. A request is one packet, ``{"cfg", "env", "cwd", "worker",
+"executable"}``, with one file descriptor attached: the write end of the pipe the child
+speaks its events on (``events``). The answer is ``{"pid": N}``, or ``{"refused": reason}``
+when this process cannot stand in for a fresh one (another ddpatch checkout, another
+Python, or an environment variable read at import time that differs): the caller then
+starts a fresh process, so a warm verifier never changes a verdict.
+
+This module imports only the stdlib at import time, like the rest of the child's side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+#: Environment variables read when torch, transformers or huggingface_hub are imported (or
+#: by the interpreter at start): a request whose values differ from this process's gets a
+#: fresh process instead of a fork.
+IMPORT_TIME_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH", "PYTORCH_", "OMP_", "MKL_", "OPENBLAS_",
+                   "CUDA_", "PYTHON", "LD_", "TOKENIZERS_", "XDG_CACHE_HOME", "NVIDIA_")
+
+#: Model classes of the built-in presets and their Auto classes, imported once here (each
+#: modeling file costs 0.1-0.5 s in every child otherwise). A name this transformers lacks is skipped.
+PRELOAD = (
+    "DynamicCache", "AutoConfig", "AutoModelForCausalLM", "AutoModelForImageTextToText",
+    "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM",
+    "Qwen3ForCausalLM", "LlamaForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM",
+    "OlmoHybridForCausalLM", "KimiLinearForCausalLM", "NemotronHForCausalLM", "GraniteMoeHybridForCausalLM",
+    "FalconH1ForCausalLM", "Lfm2ForCausalLM",
+)
+
+MAX_REQUEST = 4 << 20
+
+
+def import_time_env(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
+
+
+def preload(sibling) -> None:
+    """Import what every child imports, and nothing that runs a kernel (no thread pool is
+    started before a fork)."""
+    import torch  # noqa: F401
+    import transformers
+
+    for name in PRELOAD:
+        try:
+            getattr(transformers, name)
+        except (AttributeError, ImportError):
+            pass
+    for name in ("events", "models", "binding", "checks", "oracle", "presets", "calibration", "neartie", "context"):
+        sibling(name)
+
+
+def refusal(request: dict, started_env: dict, worker: str) -> str | None:
+    if request.get("worker") != worker:
+        return f"another ddpatch ({request.get('worker')}) than this warm verifier's ({worker})"
+    if request.get("executable") != sys.executable:
+        return f"another Python ({request.get('executable')})"
+    asked = import_time_env(request.get("env") or {})
+    if asked != started_env:
+        differ = sorted(k for k in set(asked) | set(started_env) if asked.get(k) != started_env.get(k))
+        return f"environment variables read at import time differ: {', '.join(differ)}"
+    return None
+
+
+def serve(path: str, answer, blocker, sibling, worker: str) -> int:
+    """Answer requests on the socket at ``path`` until the caller closes it (``answer(cfg)``
+    judges one tree in the forked child and prints its events)."""
+    started_env = import_time_env(dict(os.environ))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)  # before the imports: a first request waits in the backlog meanwhile
+    listener.listen(16)
+    preload(sibling)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            try:
+                _one_request(conn, listener, started_env, answer, blocker, worker)
+            except Exception:  # noqa: BLE001  (a bad request, a caller gone: the next one is served)
+                pass
+
+
+def _one_request(conn, listener, started_env: dict, answer, blocker, worker: str) -> None:
+    data, fds, _flags, _addr = socket.recv_fds(conn, MAX_REQUEST, 1)
+    try:
+        request = json.loads(data)
+        why = refusal(request, started_env, worker) if len(fds) == 1 else "no pipe attached"
+    except ValueError:
+        why = "not a request"
+    if why is not None:
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(json.dumps({"refused": why}).encode())
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        listener.close()
+        conn.close()
+        _child(request, fds[0], answer, blocker)  # never returns
+    os.close(fds[0])
+    try:
+        conn.sendall(json.dumps({"pid": pid}).encode())
+    except OSError:  # the caller gave up waiting (its timeout): nobody reads this child
+        os.kill(pid, signal.SIGKILL)
+
+
+def _child(request: dict, out_fd: int, answer, blocker) -> None:
+    code = 0
+    try:
+        os.setsid()  # its own process group: a timeout kills it and whatever it started
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the tree's own subprocesses must be waitable
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        os.dup2(out_fd, 1)
+        os.dup2(out_fd, 2)
+        os.close(out_fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.dont_write_bytecode = True
+        blocker.attempts.clear()
+        answer(request["cfg"], blocker)
+    except BaseException:  # noqa: BLE001  (the child must never return into the server's loop)
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def worker_path() -> str:
+    return str(Path(__file__).resolve().with_name("worker.py"))

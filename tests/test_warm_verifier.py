@@ -1,0 +1,132 @@
+"""The warm verifier (``patcher.verify.runner.warm_verifier``) stands in for a fresh process
+exactly: the same verdicts, no state carried from one tree to the next, and a fresh process
+whenever it cannot serve a request the same way (see ``patcher/verify/warm.py``).
+
+The rest of the suite runs its verifies through one (tests/conftest.py); these tests start
+their own, or none, to compare the two.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from patcher import api
+from patcher.verify import runner
+
+ROOT = Path(__file__).resolve().parent.parent
+#: small, and still enough for the code-shape-only control to fail on tiny-qwen3_5
+SETTINGS = dict(presets=["tiny-qwen3_5"], seeds=[0, 1], prompts=1, max_new_tokens=24, tree_budgets=[4])
+
+
+def _patched(dest: Path, ignore: str | None = None) -> Path:
+    options = {"ignore": ignore} if ignore else {}
+    result = api.apply(ROOT / "vendored" / "ddtree", "qwen3_6-gdn", out=dest, **options)
+    assert not result.blocked
+    return dest
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("warm")
+    full = _patched(base / "full")
+    lossy = _patched(base / "shape-only", ignore="verify-forward,tree-commit")
+    # a tree that leaves a mark in transformers at import, and one that fails to load if it finds that mark
+    marks = base / "marks"
+    clean = base / "clean"
+    for dest, line in ((marks, "import transformers; transformers._ddpatch_test_mark = 1\n"),
+                       (clean, "import transformers; assert not hasattr(transformers, '_ddpatch_test_mark'), 'a mark left by another tree'\n")):
+        _patched(dest)
+        path = dest / "ddtree.py"
+        path.write_text(line + path.read_text())
+    return {"full": full, "lossy": lossy, "marks": marks, "clean": clean}
+
+
+@pytest.fixture
+def counts(monkeypatch):
+    """No count carried from other tests. ``runner.warm_verifier()`` below reuses the session's
+    warm verifier (tests/conftest.py) where there is one, and starts one where there is not."""
+    monkeypatch.setattr(runner, "warm_stats", {"fresh": 0, "forked": 0, "refused": []})
+
+
+@pytest.fixture
+def no_session_warm(counts, monkeypatch):
+    """Not the session's warm verifier: a test that starts its own, or none."""
+    monkeypatch.delenv(runner.WARM_ENV, raising=False)
+
+
+def test_a_warm_verdict_equals_a_fresh_one(trees, counts, monkeypatch):
+    with monkeypatch.context() as env:
+        env.delenv(runner.WARM_ENV, raising=False)
+        fresh = {name: runner.run_verify(trees[name], **SETTINGS) for name in ("full", "lossy")}
+    assert runner.warm_stats["fresh"] == 2 and runner.warm_stats["forked"] == 0
+    with runner.warm_verifier():
+        warm = {name: runner.run_verify(trees[name], **SETTINGS) for name in ("lossy", "full")}
+    assert runner.warm_stats["forked"] == 2 and runner.warm_stats["fresh"] == 2, runner.warm_stats
+    assert fresh["full"].passed and not fresh["lossy"].passed  # the comparison can tell a pass from a fail
+    for name in fresh:
+        assert runner.without_timings(warm[name].result) == runner.without_timings(fresh[name].result), name
+
+
+def test_nothing_a_tree_does_reaches_the_next_tree(trees, counts):
+    with runner.warm_verifier():
+        first = runner.run_verify(trees["marks"], **SETTINGS)
+        second = runner.run_verify(trees["clean"], **SETTINGS)
+        lossy = runner.run_verify(trees["lossy"], **SETTINGS)  # the same module names as the trees before
+    assert runner.warm_stats["forked"] == 3, runner.warm_stats
+    loads = {c["check"]: c for c in second.result["checks"]}["loads"]
+    assert first.passed and loads["passed"] and second.passed, loads
+    assert not lossy.passed, "a lossy tree judged after lossless ones passed: the child reused their modules"
+
+
+def test_a_request_it_cannot_serve_the_same_way_goes_to_a_fresh_process(trees, counts, monkeypatch):
+    with runner.warm_verifier():
+        monkeypatch.setenv("PYTORCH_DDPATCH_TEST", "1")  # read at import time, in principle: the warm imports predate it
+        outcome = runner.run_verify(trees["full"], **SETTINGS)
+    assert outcome.passed and runner.warm_stats["fresh"] == 1 and runner.warm_stats["forked"] == 0
+    assert "PYTORCH_DDPATCH_TEST" in runner.warm_stats["refused"][0]
+
+
+def test_a_dead_warm_verifier_falls_back_to_a_fresh_process(trees, no_session_warm):
+    with runner.warm_verifier() as path:
+        server = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid).endswith(path)]
+        assert len(server) == 1
+        os.kill(server[0], signal.SIGKILL)
+        outcome = runner.run_verify(trees["full"], **SETTINGS)
+    assert outcome.passed and runner.warm_stats["fresh"] == 1 and "unreachable" in runner.warm_stats["refused"][0]
+
+
+def test_a_timeout_kills_the_forked_child(trees, counts, tmp_path):
+    slow = _patched(tmp_path / "slow")
+    (slow / "ddtree.py").write_text("import time; time.sleep(600)\n" + (slow / "ddtree.py").read_text())
+    with runner.warm_verifier():
+        runner.run_verify(trees["full"], **SETTINGS)  # the imports are done: the timeout is the child's alone
+        with pytest.raises(runner.VerifyError, match="timed out"):
+            runner.run_verify(slow, timeout=3, **SETTINGS)
+        deadline = time.monotonic() + 5  # SIGKILL is sent; give the kernel a moment to take it
+        while (children := _verify_children()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert runner.warm_stats["forked"] == 2
+    assert not children, "the forked child outlived its timeout"
+
+
+def _verify_children() -> list[str]:
+    return [pid for pid in os.listdir("/proc") if pid.isdigit() and "worker.py" in _cmdline(pid) and _in_a_verify_folder(pid)]
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _in_a_verify_folder(pid: str) -> bool:
+    try:
+        return "ddpatch-verify-" in os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return False
