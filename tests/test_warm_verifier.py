@@ -2,8 +2,8 @@
 exactly: the same verdicts, no state carried from one tree to the next, and a fresh process
 whenever it cannot serve a request the same way (see ``patcher/verify/warm.py``).
 
-The rest of the suite runs its verifies through one (tests/conftest.py); these tests start
-their own, or none, to compare the two.
+The rest of the suite runs its verifies through one (tests/conftest.py). These tests use the
+session's where there is one, run without it to compare, and start their own to kill it.
 """
 
 from __future__ import annotations

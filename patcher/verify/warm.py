@@ -1,8 +1,9 @@
 """A warm verifier: one process that has imported torch and transformers once, and forks a
 fresh child for every tree it is asked to judge.
 
-A verify child spends about half its time importing (3.5 s of 6.8 s for a two-preset verify
-of a DDTree tree on a 2-core machine; building a tiny preset takes 20 ms). Over many trees
+A verify child spends about half its time importing: a tiny-qwen3_5 verify of a DDTree tree
+took 6.8 s in a fresh child and 3.5 s forked from here, on a 2-core machine
+(``python benchmarks/bench_verify.py --warm``); building a tiny preset takes 20 ms. Over many trees
 (``ddpatch ci --verify`` over a range of commits, or the test suite) that import is paid
 once here. Each tree is still judged in a process of its own, a fork taken before any tree
 was imported and before any model was built: a tree's patches, its module names and
