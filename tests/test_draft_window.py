@@ -211,3 +211,32 @@ def test_the_patched_self_masking_draft_computes_what_the_unpatched_one_does(tmp
         context, noise = inputs(draft)
         outputs.append(call(plain, draft, context, noise, 6))
     assert torch.equal(*outputs)
+
+
+def test_a_draft_forward_nested_in_the_drafters_own_layer_calls_is_a_plain_call(draft_cls):
+    """A tree patched by hand (or by an older recipe) routes both the decode loop's drafter call and
+    each layer call inside the drafter's forward through ``draft_forward``. The nested call must be a
+    plain call: routing the same attention modules twice made each route call itself (RecursionError
+    on the real DFlash HEAD). The result equals the single, outer call's."""
+    draft = make_draft(draft_cls, "sdpa")
+    context, noise = inputs(draft)
+    expected = call(draft_forward, draft, context, noise)
+    calls = []
+
+    class Routed(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args, **kwargs):
+            calls.append(kwargs.get("position_ids") is not None)
+            return draft_forward(self.inner, *args, **kwargs)
+
+    layers = draft.layers
+    draft.layers = torch.nn.ModuleList([Routed(layer) for layer in layers])
+    try:
+        nested = call(draft_forward, draft, context, noise)
+    finally:
+        draft.layers = layers
+    assert calls and all(calls), "the layers were not called through the nested helper with their positions"
+    assert torch.allclose(nested, expected, atol=1e-6)

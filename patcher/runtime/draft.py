@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import weakref
 
@@ -32,6 +33,12 @@ def _windowed_modules(model) -> tuple:
     except TypeError:
         pass
     return found
+
+
+# set while a draft_forward call runs: a draft_forward nested inside it (upstream's drafter forward
+# calling its own layers through the helper) is a plain call, since the outer call already routes
+# every windowed module below it, and routing a module twice would make its route call itself
+_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("ddpatch_draft_forward_active", default=False)
 
 
 # attention module -> whether it builds a mask of its own when it is given none
@@ -96,6 +103,8 @@ def draft_forward(model, *args, **kwargs):
     itself -- one its parent hands a mask, or one that builds its own when given none
     (``_masks_itself``): a mask the drafter was trained with is never replaced.
     """
+    if _ACTIVE.get():
+        return model(*args, **kwargs)
     _check_draft_reads(model, kwargs)
     modules = _windowed_modules(model)
     impl = str(getattr(getattr(model, "config", None), "_attn_implementation", None) or "")
@@ -129,6 +138,10 @@ def draft_forward(model, *args, **kwargs):
 
         return forward
 
-    with _swapped_forwards([(module, masked(module.forward, module)) for module in modules]):
-        return model(*args, **kwargs)
+    token = _ACTIVE.set(True)
+    try:
+        with _swapped_forwards([(module, masked(module.forward, module)) for module in modules]):
+            return model(*args, **kwargs)
+    finally:
+        _ACTIVE.reset(token)
 

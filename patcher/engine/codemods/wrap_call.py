@@ -287,6 +287,8 @@ class WrapCall(Step):
         self.flow = ModuleFlow(node)
         role = self.params["role"]
         for fn in self.flow.fns:
+            if self._inside_drafter(fn):
+                continue  # the drafter's own forward calling its layers is the drafter, not the decode loop
             for mc in fn.model_calls:
                 # a target call that only goes through ``adopt_forward`` (target-cache-config) is
                 # still a verify to record: in a decode loop it becomes ``verify_forward``, which adopts too
@@ -306,6 +308,12 @@ class WrapCall(Step):
                     self.wrap[mc.call] = (mc.callee, where)
         return True
 
+    def _inside_drafter(self, fn: Fn) -> bool:
+        """``fn`` is a method of a drafter class (one whose ``forward`` takes ``target_hidden``): the
+        calls it makes (DFlash's ``for layer in self.layers: layer(target_hidden=...)``) run inside
+        the drafter call that the decode loop makes, which is the one to wrap."""
+        return bool(fn.owner) and fn.owner in self._drafter_classes()
+
     def _only_called_in_loops(self, fn: Fn) -> bool:
         calls = list(self.flow.callers(fn))
         return bool(calls) and all(in_loop for _c, _call, in_loop in calls)
@@ -324,13 +332,18 @@ class WrapCall(Step):
                     return (func.value if isinstance(func, cst.Name) else func.attr.value)
         return None
 
-    def _masks_itself(self, fn: Fn, mc: ModelCall) -> str | None:
+    def _drafter_classes(self) -> dict[str, str]:
+        """The drafter classes of the tree (``scan_tree``) and of this module, with their self-masking evidence."""
         if self._classes is None:
             self._classes = dict(self.params["drafter_classes"] or {})
             try:
                 self._classes.update(drafter_classes(ast.parse(self._module.code)))
             except (SyntaxError, ValueError, RecursionError):
                 pass
+        return self._classes
+
+    def _masks_itself(self, fn: Fn, mc: ModelCall) -> str | None:
+        self._drafter_classes()
         name = self._drafter_class(fn, mc)
         if name in self._classes:
             return self._classes[name] or None

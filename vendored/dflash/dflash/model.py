@@ -333,8 +333,19 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         rope = self.rotary_emb(noise_embedding, position_ids)
         cache = past_key_values if use_cache else None
         out = noise_embedding
+        # each layer is called with the context by keyword, as upstream's drafter does: the call looks
+        # like a drafter call (target_hidden=) inside the drafter's own forward, which a recipe must
+        # leave alone (the decode loop's drafter call is the one to route)
         for layer in self.layers:
-            out = layer(out, context, rope, attention_mask=attention_mask, past_key_values=cache, **kwargs)
+            out = layer(
+                out,
+                target_hidden=context,
+                position_ids=position_ids,
+                position_embeddings=rope,
+                attention_mask=attention_mask,
+                past_key_values=cache,
+                **kwargs,
+            )
         return self.norm(out)
 
     def spec_generate(self, target: nn.Module, input_ids: torch.LongTensor, max_new_tokens: int,
