@@ -1,0 +1,398 @@
+"""Train the tiny target/drafter pair shipped in ``patcher/data/trained_pair`` (CPU only, seeded).
+
+1. a byte-level BPE tokenizer (``tokenizers``) on the running interpreter's standard library sources;
+2. the target, a ``Qwen3_5ForCausalLM`` hybrid (3 Gated DeltaNet layers then 1 full-attention layer,
+   twice), by plain next-token cross-entropy on that corpus;
+3. the drafter, ``vendored/dflash``'s ``DFlashDraftModel`` (block 8), on the target's own greedy
+   continuations (distillation), the DFlash way: blocks anchored at random positions, each block the
+   anchor's token then mask tokens, seeing the target's features strictly before its anchor, attending
+   bidirectionally inside itself and never to another block; block position 0 carries no loss, position
+   k is weighted exp(-(k-1)/gamma). The target's embeddings and LM head are shared and frozen (the drafter
+   has none of its own).
+
+    python tools/train_tiny_pair.py                          # the shipped pair (~15 min on 2 cores)
+    python tools/train_tiny_pair.py --steps 5 --out /tmp/p   # a smoke run
+    python tools/train_tiny_pair.py --measure /tmp/x         # acceptance of a patched tree on the held-out prompts
+
+``--measure TREE`` loads the folders the way ``ddpatch verify --target --draft`` does (``from_pretrained``,
+float32), imports TREE's own ``dflash_generate`` / ``ddtree_generate`` and reports the mean acceptance on the
+held-out prompts of ``metadata.json``, checking that every output equals the target's greedy decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "patcher" / "data" / "trained_pair"
+EOS, MASK = "<|endoftext|>", "<|mask|>"
+SKIP_DIRS = {"test", "tests", "site-packages", "idlelib", "__pycache__", "lib2to3", "tkinter", "turtledemo", "ensurepip"}
+
+# the shapes (small enough that the pair fits 12 MB in float32 and trains on 2 CPU cores)
+VOCAB = 1024
+HIDDEN = 128
+LAYERS = (["linear_attention"] * 3 + ["full_attention"]) * 2
+BLOCK = 8
+DRAFT_LAYERS = 3
+TARGET_LAYER_IDS = [1, 4, 6]  # hidden_states[i + 1], DFlash's convention
+SEQ = 256
+PROMPT = 64  # distillation: a corpus prompt, then the target's greedy continuation
+
+
+def stdlib_files(seed: int) -> tuple[list[Path], list[Path]]:
+    """The interpreter's standard library ``.py`` files (tests and GUI code left out), seeded-shuffled;
+    one in twenty is held out for the prompts."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
+        files += [Path(folder) / n for n in sorted(names) if n.endswith(".py")]
+    files.sort(key=lambda p: str(p.relative_to(root)))
+    random.Random(seed).shuffle(files)
+    held = max(1, len(files) // 20)
+    return files[held:], files[:held]
+
+
+def read(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+# ----------------------------------------------------------------------------- tokenizer
+def train_tokenizer(texts: list[str], out: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=[EOS, MASK], min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
+    fast.save_pretrained(out)
+    return fast
+
+
+# ----------------------------------------------------------------------------- target
+def target_config():
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=3 * HIDDEN, num_hidden_layers=len(LAYERS),
+        layer_types=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4,
+        linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        max_position_embeddings=2048, tie_word_embeddings=True, eos_token_id=0, bos_token_id=None, pad_token_id=None,
+    )
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup))))
+
+
+def windows(stream, count: int, length: int, gen):
+    import torch
+
+    starts = torch.randint(0, stream.numel() - length - 1, (count,), generator=gen)
+    return torch.stack([stream[s : s + length] for s in starts.tolist()])
+
+
+def train_target(stream, steps: int, batch: int, seed: int, log):
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(target_config())
+    gen = torch.Generator().manual_seed(seed + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    model.train()
+    losses = []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, 3e-3, min(20, max(1, steps // 10)))
+        x = windows(stream, batch, SEQ, gen)
+        loss = model(x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        if step % 10 == 0 or step == steps - 1:
+            log(f"target step {step}/{steps} loss {sum(losses[-10:]) / len(losses[-10:]):.3f}")
+    return model.eval(), losses
+
+
+# ----------------------------------------------------------------------------- distillation data
+def greedy_batch(model, prompts, new: int):
+    """Batched greedy decoding with the cache (all prompts have the same length, no padding)."""
+    import torch
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        logits = model(prompts, past_key_values=cache, use_cache=True).logits[:, -1]
+        out = [logits.argmax(-1)]
+        for _ in range(new - 1):
+            logits = model(out[-1][:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+            out.append(logits.argmax(-1))
+    return torch.cat([prompts, torch.stack(out, 1)], 1)
+
+
+def distill_set(model, stream, count: int, seed: int, log):
+    """``count`` sequences: a corpus prompt of PROMPT tokens, then the target's greedy continuation to SEQ,
+    and the target's features (hidden_states[i + 1] for i in TARGET_LAYER_IDS) over the whole sequence."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 2)
+    seqs, feats = [], []
+    for start in range(0, count, 64):
+        prompts = windows(stream, min(64, count - start), PROMPT, gen)
+        seq = greedy_batch(model, prompts, SEQ - PROMPT)
+        with torch.no_grad():
+            hs = model(seq, output_hidden_states=True, use_cache=False).hidden_states
+        seqs.append(seq)
+        feats.append(torch.cat([hs[i + 1] for i in TARGET_LAYER_IDS], -1))
+        log(f"distillation sequences {start + len(prompts)}/{count}")
+    return torch.cat(seqs), torch.cat(feats)
+
+
+# ----------------------------------------------------------------------------- drafter
+def draft_class():
+    sys.path.insert(0, str(ROOT / "vendored" / "dflash"))
+    from dflash.model import DFlashDraftModel
+
+    return DFlashDraftModel
+
+
+def draft_config(mask_id: int):
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=3 * HIDDEN, num_hidden_layers=DRAFT_LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+        tie_word_embeddings=False, layer_types=["full_attention"] * DRAFT_LAYERS,
+    )
+    cfg.architectures = ["DFlashDraftModel"]
+    cfg.block_size = BLOCK
+    cfg.num_target_layers = len(LAYERS)
+    cfg.dflash_config = {"mask_token_id": mask_id, "target_layer_ids": TARGET_LAYER_IDS}
+    return cfg
+
+
+def block_batch(seqs, anchors_per_seq: int, gen, mask_id: int):
+    """Anchors (drawn among the continuation's positions), the blocks' tokens and positions, the labels,
+    and the attention mask [blocks x (context + blocks)]."""
+    import torch
+
+    b, length = seqs.shape
+    lo, hi = PROMPT, length - BLOCK  # anchor = a committed token of the continuation, labels inside the sequence
+    anchors = torch.stack([torch.randperm(hi - lo + 1, generator=gen)[:anchors_per_seq] + lo for _ in range(b)])
+    offsets = torch.arange(BLOCK)
+    pos = (anchors[:, :, None] + offsets).reshape(b, -1)  # [b, m * BLOCK]
+    labels = seqs.gather(1, pos)
+    block = labels.clone().view(b, anchors_per_seq, BLOCK)
+    block[:, :, 1:] = mask_id
+    q = anchors_per_seq * BLOCK
+    ctx_visible = torch.arange(length)[None, None, :] < anchors.repeat_interleave(BLOCK, 1)[:, :, None]  # strictly before
+    ids = torch.arange(anchors_per_seq).repeat_interleave(BLOCK)
+    same_block = (ids[:, None] == ids[None, :]).expand(b, q, q)
+    mask = torch.cat([ctx_visible, same_block], dim=2)[:, None]  # True: may attend
+    position_ids = torch.cat([torch.arange(length).expand(b, length), pos], 1)
+    return block.view(b, q), labels, position_ids, mask
+
+
+def train_draft(target, seqs, feats, steps: int, batch: int, anchors: int, gamma: float, mask_id: int, seed: int, log):
+    import torch
+
+    torch.manual_seed(seed + 3)
+    cls = draft_class()
+    draft = cls(draft_config(mask_id))
+    draft.config._attn_implementation = "sdpa"
+    for p in target.parameters():
+        p.requires_grad_(False)
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    weights = torch.exp(-(torch.arange(1, BLOCK) - 1) / gamma)
+    gen = torch.Generator().manual_seed(seed + 4)
+    opt = torch.optim.AdamW(draft.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01)
+    draft.train()
+    losses, accs = [], []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, 3e-3, min(50, max(1, steps // 10)))
+        rows = torch.randint(0, seqs.shape[0], (batch,), generator=gen)
+        block, labels, position_ids, mask = block_batch(seqs[rows], anchors, gen, mask_id)
+        out = draft(position_ids=position_ids, attention_mask=mask, noise_embedding=embed(block), target_hidden=feats[rows])
+        logits = head(out).view(batch, anchors, BLOCK, -1)[:, :, 1:]  # position 0 (the anchor) has no loss
+        gold = labels.view(batch, anchors, BLOCK)[:, :, 1:]
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 2), gold.flatten(), reduction="none").view_as(gold)
+        loss = (ce * weights).sum(-1).mean() / weights.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        accs.append(float((logits.argmax(-1) == gold).float().mean()))
+        if step % 50 == 0 or step == steps - 1:
+            n = min(50, len(losses))
+            log(f"draft step {step}/{steps} loss {sum(losses[-n:]) / n:.3f} top-1 {sum(accs[-n:]) / n:.3f}")
+    return draft.eval(), losses, accs
+
+
+# ----------------------------------------------------------------------------- main
+def held_out_prompts(files: list[Path], tok, n: int, length: int, seed: int) -> list[str]:
+    """``n`` prompts of ``length`` tokens from held-out files, each starting at a line start."""
+    rng = random.Random(seed + 5)
+    prompts: list[str] = []
+    for path in files * 4:
+        if len(prompts) == n:
+            break
+        lines = read(path).splitlines(keepends=True)
+        if len(lines) < 40:
+            continue
+        start = rng.randrange(0, len(lines) - 30)
+        ids = tok("".join(lines[start : start + 30])).input_ids[:length]
+        if len(ids) == length:
+            prompts.append(tok.decode(ids))
+    return prompts
+
+
+def train(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+    out = Path(args.out)
+    (out / "target").mkdir(parents=True, exist_ok=True)
+    (out / "draft").mkdir(parents=True, exist_ok=True)
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - t0:6.0f}s] {msg}", flush=True)
+
+    train_files, held = stdlib_files(args.seed)
+    texts, size = [], 0
+    for path in train_files:
+        if size >= args.corpus_mb * 1e6:
+            break
+        texts.append(read(path))
+        size += len(texts[-1])
+    tok = train_tokenizer(texts, out / "target")
+    mask_id = tok.convert_tokens_to_ids(MASK)
+    stream = torch.tensor([t for text in texts for t in tok(text).input_ids + [tok.eos_token_id]], dtype=torch.long)
+    log(f"tokenizer: vocab {len(tok)}, corpus {len(texts)} files, {size / 1e6:.1f} MB, {stream.numel()} tokens")
+
+    target, t_losses = train_target(stream, args.steps, args.batch, args.seed, log)
+    target.save_pretrained(out / "target")
+    t_time = time.time() - t0
+    held_stream = torch.tensor([t for p in held[:10] for t in tok(read(p)).input_ids + [0]], dtype=torch.long)
+    with torch.no_grad():
+        x = windows(held_stream, 8, SEQ, torch.Generator().manual_seed(9))
+        held_loss = float(target(x, labels=x).loss)
+    log(f"target saved; held-out loss {held_loss:.3f}")
+
+    seqs, feats = distill_set(target, stream, args.distill, args.seed, log)
+    draft_steps = args.draft_steps if args.draft_steps is not None else (args.steps if args.steps < 100 else 800)
+    draft, d_losses, d_accs = train_draft(target, seqs, feats, draft_steps, args.draft_batch, args.anchors, args.gamma,
+                                          mask_id, args.seed, log)
+    draft.save_pretrained(out / "draft")
+    tail = lambda xs: round(sum(xs[-20:]) / max(1, len(xs[-20:])), 4)  # noqa: E731
+    meta = {
+        "corpus": f"the Python {sys.version.split()[0]} standard library sources ({len(texts)} files, "
+                  f"{size / 1e6:.1f} MB; tests and GUI packages left out; 1 in 20 files held out)",
+        "seed": args.seed, "torch_threads": args.threads,
+        "tokenizer": {"kind": "byte-level BPE (tokenizers)", "vocab": len(tok), "eos": EOS, "mask": MASK, "mask_id": mask_id},
+        "target": {"class": "Qwen3_5ForCausalLM", "layer_types": LAYERS, "hidden": HIDDEN, "steps": args.steps,
+                   "batch": args.batch, "seq": SEQ, "tokens_seen": args.steps * args.batch * SEQ,
+                   "final_loss": tail(t_losses), "held_out_loss": round(held_loss, 4)},
+        "draft": {"class": "DFlashDraftModel", "block_size": BLOCK, "layers": DRAFT_LAYERS, "target_layer_ids": TARGET_LAYER_IDS,
+                  "steps": draft_steps, "batch": args.draft_batch, "anchors_per_sequence": args.anchors,
+                  "loss_decay_gamma": args.gamma, "distillation_sequences": args.distill,
+                  "distillation": f"{PROMPT}-token corpus prompts, the target's greedy continuation to {SEQ} tokens",
+                  "final_loss": tail(d_losses), "final_top1": tail(d_accs)},
+        "held_out_prompts": held_out_prompts(held, tok, 8, 48, args.seed),
+        "training_seconds": round(time.time() - t0, 1), "target_seconds": round(t_time, 1),
+        "command": "python tools/train_tiny_pair.py " + " ".join(sys.argv[1:]),
+    }
+    (out / "metadata.json").write_text(json.dumps(meta, indent=1) + "\n")
+    log(f"done in {time.time() - t0:.0f} s -> {out}")
+
+
+# ----------------------------------------------------------------------------- measure
+def measure(args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    tree = Path(args.measure).resolve()
+    sys.path.insert(0, str(tree))
+    from ddtree import ddtree_generate
+    from dflash import dflash_generate
+    from model import DFlashDraftModel
+
+    meta = json.loads((out / "metadata.json").read_text())
+    target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32, local_files_only=True).eval()
+    draft = DFlashDraftModel.from_pretrained(out / "draft", dtype=torch.float32, local_files_only=True).eval()
+    tok = AutoTokenizer.from_pretrained(out / "target", local_files_only=True)
+    prompts = [tok(p, return_tensors="pt").input_ids for p in meta["held_out_prompts"]]
+    sys.path.insert(0, str(ROOT))
+    from patcher.verify.models import greedy
+
+    def call(name, budget, ids):
+        kw = dict(model=draft, target=target, input_ids=ids, mask_token_id=draft.mask_token_id, max_new_tokens=args.new,
+                  block_size=args.block, stop_token_ids=[], temperature=0.0)
+        if budget is None:
+            return dflash_generate(**kw, return_stats=True)
+        return ddtree_generate(**kw, tree_budget=budget)
+
+    figures = {}
+    refs = [greedy(target, p, args.new) for p in prompts]
+    for name, budget in [("dflash", None)] + [(f"ddtree_tb{b}", b) for b in args.budgets]:
+        lengths, exact, start = [], True, time.time()
+        for ids, ref in zip(prompts, refs):
+            res = call(name, budget, ids)
+            new = res.output_ids[0, ids.shape[1]:].tolist()
+            exact &= new == ref[: len(new)] and len(new) == len(ref)
+            lengths += list(res.acceptance_lengths)
+        figures[name] = {"mean_acceptance": round(sum(lengths) / len(lengths), 3), "rounds": len(lengths),
+                         "lossless": bool(exact), "seconds": round(time.time() - start, 1)}
+        print(name, figures[name], flush=True)
+    return figures
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=150, help="target steps (also the drafter's when below 100)")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--corpus-mb", type=float, default=6.0)
+    ap.add_argument("--distill", type=int, default=384, help="distillation sequences")
+    ap.add_argument("--draft-steps", type=int, default=None)
+    ap.add_argument("--draft-batch", type=int, default=16)
+    ap.add_argument("--anchors", type=int, default=16, help="blocks per sequence")
+    ap.add_argument("--gamma", type=float, default=4.0, help="loss decay exp(-(k-1)/gamma)")
+    ap.add_argument("--measure", metavar="TREE", default=None, help="a patched DDTree tree: measure acceptance instead of training")
+    ap.add_argument("--block", type=int, default=BLOCK)
+    ap.add_argument("--new", type=int, default=64, help="--measure: new tokens per prompt")
+    ap.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32])
+    args = ap.parse_args(argv)
+    if args.measure:
+        figures = measure(args)
+        print(json.dumps(figures))
+    else:
+        train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
