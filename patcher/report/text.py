@@ -313,6 +313,8 @@ def _evidence(check: dict) -> str:
         text += f" (at {check['frame']})"
     if check.get("hint"):
         text += f" - hint: recipe step {check['hint']}"
+    if check.get("inside"):
+        text += f" - {check['inside']}"
     return text
 
 

@@ -84,7 +84,7 @@ import types
 
 from . import options
 from .adopt import adopt_cache, adopt_forward
-from .caches import _layers
+from .caches import _layers, record_past
 from .commit import _commit, _cut, compact_cache, crop_cache, tree_commit
 from .deltarule import _causal, _closed_form_state, _delta_rule
 from .discovery import _cache_keyword, _cache_kwargs, _cache_of, _layer_kinds, hybrid_linear_modules
@@ -118,6 +118,7 @@ __all__ = [
     "draft_forward",
     "hybrid_linear_modules",
     "options",
+    "record_past",
     "tree_commit",
     "tree_parents_from_mask",
     "verify_forward",

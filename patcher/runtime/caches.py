@@ -142,3 +142,38 @@ def _kv_tensors(cache):
         yield from getattr(cache, "key_cache", [])
         yield from getattr(cache, "value_cache", [])
 
+
+
+def _takes_a_count(cache) -> bool:
+    """Whether this transformers' linear cache layers take ``activate_past_recording(recurrent_states_to_keep=)``
+    (5.25 and newer; 5.21 to 5.24 take no argument)."""
+    import inspect
+
+    for layer in _layers(cache) or ():
+        method = getattr(layer, "activate_past_recording", None)
+        if method is not None and _is_linear_layer(layer):
+            try:
+                return "recurrent_states_to_keep" in inspect.signature(method).parameters
+            except (TypeError, ValueError):
+                return False
+    return False
+
+
+def record_past(cache, recurrent_states_to_keep=None, **kwargs) -> None:
+    """``cache.activate_past_recording(...)`` as the installed transformers wants it.
+
+    Upstream code written against 5.23 calls ``activate_past_recording()`` bare; on 5.25 that
+    leaves ``recurrent_states_to_keep = None``, and the Gated DeltaNet forward then fails on
+    ``min(None, seq_len)``. Code written against 5.25 passes a count, which 5.21 to 5.24 do not
+    take. Here a bare call means what it meant on 5.23 (record the conv past, keep no recurrent
+    states: 0), a count is passed where the release takes one and dropped where it does not. On
+    every release the runtime's own record (``verify_forward``) is what makes the commit exact;
+    with a count, 5.25 also rolls a chain back by itself.
+    """
+    method = getattr(cache, "activate_past_recording", None)
+    if method is None:
+        return None
+    if _takes_a_count(cache):
+        keep = 0 if recurrent_states_to_keep is None else int(recurrent_states_to_keep)
+        return method(recurrent_states_to_keep=keep, **kwargs)
+    return method(**kwargs)

@@ -16,6 +16,9 @@ HINTS = (
     ("list index out of range", "target-cache-config"),
     ("has no attribute 'update'", "target-cache-config (a draft cache was given the target's config)"),
     ("positive value", "crop-compat"),
+    # 5.25's GDN forward after a bare activate_past_recording(): min(None, seq_len)
+    ("'<' not supported between instances of 'int' and 'NoneType'", "crop-compat (on transformers 5.25 a bare "
+     "`activate_past_recording()` leaves recurrent_states_to_keep=None; record_past passes the count the release takes)"),
     ("does not track past states", "crop-compat"),
     ("Torch not compiled with CUDA", "cpu-safe-timing"),
     ("CUDA", "cpu-safe-timing"),
@@ -36,13 +39,45 @@ def hint_for(message: str) -> str | None:
     return None
 
 
+def _in_transformers(filename: str) -> bool:
+    return "/transformers/" in filename.replace("\\", "/")
+
+
+def inside_transformers(frames) -> str | None:
+    """Where an error raised inside transformers' own code: the release, the transformers frame it
+    raised in, and the API the tree called (its last frame outside transformers, torch and the
+    standard library before it), so that a user can tell a tree's bug from an API that moved."""
+    if not frames or not _in_transformers(frames[-1].filename):
+        return None
+    try:
+        from importlib.metadata import version
+
+        release = version("transformers")
+    except Exception:  # noqa: BLE001 -- metadata missing: say so rather than fail the report
+        release = "(unknown release)"
+    last = frames[-1]
+    where = f"{last.filename.replace(chr(92), '/').rsplit('/transformers/', 1)[-1]}:{last.lineno} in {last.name}"
+    entry = next(
+        (f for f in reversed(frames) if not _in_transformers(f.filename) and "/torch/" not in f.filename.replace(chr(92), "/")
+         and "/lib/python" not in f.filename.replace(chr(92), "/")),
+        None,
+    )
+    called = f"; the tree called it at {entry.filename}:{entry.lineno} (`{(entry.line or '').strip()[:80]}`)" if entry else ""
+    return f"inside transformers {release}: {where}{called}"
+
+
 def error_summary(exc: BaseException) -> dict:
-    """The exception, its last frame, and the recipe step it points at."""
+    """The exception, its last frame, the recipe step it points at, and, when it raised inside
+    transformers, the release and the API the tree tripped on."""
     frames = traceback.extract_tb(exc.__traceback__)
     last = frames[-1] if frames else None
     message = f"{type(exc).__name__}: {exc}".strip()
-    return {
+    summary = {
         "error": message.splitlines()[0][:500],
         "frame": f"{last.filename}:{last.lineno} in {last.name}" if last else None,
         "hint": hint_for(message + "".join(traceback.format_tb(exc.__traceback__))),
     }
+    inside = inside_transformers(frames)
+    if inside:
+        summary["inside"] = inside
+    return summary

@@ -615,11 +615,13 @@ def claims_annotations(root: Path, original: Path) -> None:
 # ---------------------------------------------------------------- the 5.x-native style (DFlash's newer upstream)
 
 
-NATIVE_HELPERS = '''def _new_cache(model) -> DynamicCache:
+_NATIVE_NEW_CACHE = '''def _new_cache(model) -> DynamicCache:
     """A cache laid out for ``model``'s own layer types that can roll back after a verify."""
     cache = DynamicCache(config=model.config)
     cache.activate_past_recording()
     return cache
+'''
+NATIVE_HELPERS = _NATIVE_NEW_CACHE + '''
 
 
 def _trim(cache, length: int) -> None:
@@ -662,7 +664,10 @@ NATIVE_MASKS = '''    def _layer_masks(self, position_ids: torch.LongTensor, q_l
         out = noise_embedding
         for layer in self.layers:
             mask = masks[layer.self_attn.layer_type] if attention_mask is None else attention_mask
-            out = layer(out, context, rope, attention_mask=mask, past_key_values=cache, **kwargs)
+            out = layer(
+                out, target_hidden=context, position_ids=position_ids, position_embeddings=rope,
+                attention_mask=mask, past_key_values=cache, **kwargs,
+            )
         return self.norm(out)
 '''
 
@@ -675,10 +680,51 @@ OLD_DRAFT_FORWARD = '''    def forward(
         rope = self.rotary_emb(noise_embedding, position_ids)
         cache = past_key_values if use_cache else None
         out = noise_embedding
+        # each layer is called with the context by keyword, as upstream's drafter does: the call looks
+        # like a drafter call (target_hidden=) inside the drafter's own forward, which a recipe must
+        # leave alone (the decode loop's drafter call is the one to route)
         for layer in self.layers:
-            out = layer(out, context, rope, attention_mask=attention_mask, past_key_values=cache, **kwargs)
+            out = layer(
+                out,
+                target_hidden=context,
+                position_ids=position_ids,
+                position_embeddings=rope,
+                attention_mask=attention_mask,
+                past_key_values=cache,
+                **kwargs,
+            )
         return self.norm(out)
 '''
+
+
+# The form of code written against transformers 5.25's own past recording: the target cache records
+# a count of recurrent states (5.25 then rolls a chain back by itself), a cache is only armed once
+# (`is_recording_past`), and the draft cache records its past bare.
+NATIVE_COUNT_HELPERS = '''def _new_cache(model, keep: int = 0) -> DynamicCache:
+    """A cache laid out for ``model``'s own layer types; ``keep`` recurrent states are recorded (5.25)."""
+    cache = DynamicCache(config=model.config)
+    if keep and not any(cache.is_recording_past(i) for i in range(len(cache.layers))):
+        cache.activate_past_recording(recurrent_states_to_keep=keep)
+    elif not keep:
+        cache.activate_past_recording()
+    return cache
+'''
+
+
+def build_native_count(root: Path) -> None:
+    build_native("helper")(root)
+    t.edit(
+        root, FL,
+        (_NATIVE_NEW_CACHE, NATIVE_COUNT_HELPERS),
+        ("    target_cache = _new_cache(target)\n", "    target_cache = _new_cache(target, keep=2 * block_size)\n"),
+    )
+
+
+def claims_native_count(root: Path, original: Path) -> None:
+    text = _read(root, FL)
+    assert "cache.activate_past_recording(recurrent_states_to_keep=keep)" in text and "is_recording_past(" in text
+    assert "target_cache = _new_cache(target, keep=2 * block_size)" in text and "draft_cache = _new_cache(model)" in text
+    assert "_trim(target_cache, start)" in text and "DynamicCache()" not in text
 
 
 def build_native(target_crop: str) -> Callable[[Path], None]:
@@ -729,7 +775,9 @@ def claims_native(target_crop: str) -> Callable[[Path, Path], None]:
 NATIVE_STATUSES = {
     "target-cache-config": "fixed-upstream",
     "input-embeddings": "fixed-upstream",
-    "crop-compat": "fixed-upstream",
+    # the crops take 5.x counts (fixed-upstream), but `_new_cache`'s bare activate_past_recording()
+    # breaks 5.25's GDN forward: it goes through record_past (applied)
+    "crop-compat": "applied",
     "attn-fallback": "fixed-upstream",
     "lazy-datasets": "fixed-upstream",
     "verify-forward": "applied",
@@ -855,6 +903,12 @@ VARIANTS: list[Variant] = [
         "native-5x-swapped", "5.x-native", "dflash", build_native("inline"), claims_native("inline"),
         statuses=NATIVE_STATUSES,
         summary="the same, target crop inline and draft crop via `_trim`",
+    ),
+    Variant(
+        "native-5x-count", "5.x-native", "dflash", build_native_count, claims_native_count,
+        statuses=NATIVE_STATUSES,
+        summary="as `native-5x`, written for 5.25's recording: the target cache records a count "
+        "(`activate_past_recording(recurrent_states_to_keep=...)`, armed once through `is_recording_past`)",
     ),
 ]
 

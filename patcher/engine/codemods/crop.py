@@ -32,6 +32,15 @@ Statuses and the evidence each rests on:
   guarantees (a recipe run that cannot wrap the target's verify is a no-match there).
 * ``no-match`` -- a site with the reason for an ambiguous argument; an anchor with no
   crop at all.
+
+Past recording (what makes a crop of a linear layer legal) changed between releases too:
+5.21 to 5.24 take ``activate_past_recording()`` with no argument; 5.25 takes a count
+(``recurrent_states_to_keep=N``), and its Gated DeltaNet forward fails (``min(None, seq_len)``)
+after a bare call. So every ``<cache>.activate_past_recording(...)`` (a receiver that is a cache
+by data flow, in the anchor or a cache helper such as ``_new_cache``) becomes
+``_ddpatch_runtime.record_past(<cache>, ...)``, which calls what the installed release takes
+(``applied``; ``already-applied`` once it goes through ``record_past``). ``is_recording_past``
+is the same on every release of the range and is left alone.
 """
 
 from __future__ import annotations
@@ -69,8 +78,8 @@ def _combine(kinds: set[str]) -> str:
 class CropCompat(Step):
     ID = "crop-compat"
     DESCRIPTION = "Rewrite a 4.x `cache.crop(length)` to `_ddpatch_runtime.crop_cache(cache, length)`; leave 5.x counts alone."
-    TRIGGERS = ("crop", r"\.\s*crop\s*\(|crop_cache\s*\(")
-    PARAMS = {"helper": "crop_cache"}
+    TRIGGERS = ("crop|past_recording|record_past", r"\.\s*crop\s*\(|crop_cache\s*\(|\.\s*activate_past_recording\s*\(|record_past\s*\(")
+    PARAMS = {"helper": "crop_cache", "recording_helper": "record_past"}
     USES_RUNTIME = True
     EXAMPLES = (
         Example(
@@ -113,6 +122,23 @@ class CropCompat(Step):
                 cache.crop(-remove)
             """,
             "an upstream crop helper with the native negative count: fixed-upstream",
+        ),
+        Example(
+            """
+            def _new_cache(model):
+                cache = DynamicCache(config=model.config)
+                cache.activate_past_recording()
+                return cache
+            """,
+            """
+            import _ddpatch_runtime
+
+            def _new_cache(model):
+                cache = DynamicCache(config=model.config)
+                _ddpatch_runtime.record_past(cache)
+                return cache
+            """,
+            "past recording as the installed release takes it (a bare call breaks 5.25's GDN forward)",
         ),
         Example(
             "def thumbnail(image, box):\n    return image.crop(box)\n",
@@ -201,9 +227,22 @@ class CropCompat(Step):
             return receiver
         return None
 
+    def _recording_receiver(self, node: cst.Call) -> str | None:
+        func = node.func
+        fn = self._fns[-1]
+        if fn is None or not (isinstance(func, cst.Attribute) and func.attr.value == "activate_past_recording"):
+            return None
+        receiver = dotted(func.value)
+        if receiver and fn.role(receiver) & {CACHE, TARGET_CACHE, DRAFT_CACHE}:
+            return receiver
+        return None
+
     def visit_Call(self, node: cst.Call) -> None:
         if is_runtime_call(node, self.params["helper"]):
             self.record(node, PATCHED, "crop already goes through the runtime helper")
+            return
+        if is_runtime_call(node, self.params["recording_helper"]):
+            self.record(node, PATCHED, "past recording already goes through the runtime helper")
             return
         receiver = self._receiver(node)
         if receiver is None:
@@ -216,6 +255,17 @@ class CropCompat(Step):
             self.record(node, NO_MATCH, f"cannot tell whether `{receiver}.crop(...)` takes a 5.x count or a 4.x length: {why}")
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        recording = self._recording_receiver(original_node)
+        if recording is not None:
+            receiver = original_node.func.value
+            self.record(
+                original_node, APPLIED,
+                f"`{recording}.activate_past_recording(...)` -> `{self.params['recording_helper']}({recording}, ...)`: "
+                "5.25 needs a count there (a bare call breaks its GDN forward), 5.21-5.24 take none",
+            )
+            return runtime_call(self, self.params["recording_helper"], [cst.Arg(receiver), *updated_node.args]).with_changes(
+                lpar=updated_node.lpar, rpar=updated_node.rpar
+            )
         decision = self._decisions.get(original_node)
         if decision is None or decision[0] != LENGTH:
             return updated_node
