@@ -8,6 +8,13 @@ head's proposals are the target's greedy continuation with probability ``RIGHT``
 partial acceptances happen. With ``--target DIR`` nothing is scripted: ``--assistant DIR`` is the
 user's own drafter, MTP reads the folder's ``mtp.`` weights.
 
+Next to each mode's ``lossless`` check stands its native control, ``native generate() (control): MODE``: the same
+run through transformers' own ``generate()`` without ``lossless``. It passes whatever it shows (it is the control,
+not the verdict): on releases that refuse the mode on a stateful model (5.23) it says "refused by transformers X";
+on releases that run it (5.24+) it names the first divergence from plain greedy ``generate()`` and the margin of the
+target's own from-scratch forward there. ``benchmarks/repro_native_assisted_generate.py`` is the standalone
+reproduction of the same measurement, for an upstream report.
+
 Runs in this process (no child process, no timeout of its own).
 """
 
@@ -248,6 +255,75 @@ def run_mode(target, mode: str, ids, reference: list[int], max_new: int, kwargs:
     return final[ids.shape[1]:], acceptance_lengths(calls, ids.shape[1], len(final)), seconds, verdict, script
 
 
+# ----------------------------------------------------------------------------- the native control
+#: transformers' refusal of speculative generate() on a stateful class (5.23 and older)
+_REFUSAL = "not supported with stateful models"
+
+
+# The same computation as `first_divergence` in benchmarks/repro_native_assisted_generate.py, duplicated on purpose:
+# that script must run with torch and transformers alone (a user attaches it to a transformers report), and ddpatch
+# must not import from benchmarks/ (not a package, not installed). Keep the two in step.
+def native_divergence(model, prompt: list[int], expected: list[int], got: list[int]) -> dict | None:
+    """None when ``got == expected``; else the first divergent new token (0-based), both tokens, and the margin
+    ``z[expected] - z[got]`` of the target's own from-scratch forward (no cache) over the shared prefix."""
+    import torch
+
+    i = next((k for k, (a, b) in enumerate(zip(expected, got)) if a != b), None)
+    if i is None:
+        if len(expected) == len(got):
+            return None
+        i = min(len(expected), len(got))
+    row = {"new_token": i, "expected": expected[i] if i < len(expected) else None,
+           "got": got[i] if i < len(got) else None, "margin": None, "from_scratch_argmax": None}
+    if row["expected"] is not None and row["got"] is not None:
+        device = model.get_input_embeddings().weight.device
+        with torch.no_grad():
+            z = model(torch.tensor([prompt + expected[:i]], device=device), use_cache=False).logits[0, -1].float()
+        row["from_scratch_argmax"] = int(z.argmax())
+        row["margin"] = float(z[row["expected"]] - z[row["got"]])
+    return row
+
+
+def run_native(target, mode: str, ids, reference: list[int], max_new: int, kwargs: dict, script_for=None, seed=0) -> dict:
+    """The control: the same greedy run (same scripted draft) through transformers' own ``generate()``, no ``lossless``.
+    ``{"status": "exact" | "diverges" | "refused" | "error", ...}``."""
+    import torch
+
+    scripting = contextlib.nullcontext()
+    if script_for is not None and mode in ("mtp", "assistant"):
+        script = Script(ids[0].tolist() + reference, seed, script_for)
+        scripting = scripted_mtp(script) if mode == "mtp" else scripted_assistant(kwargs["assistant_model"], script)
+    try:
+        with scripting:
+            torch.manual_seed(seed)
+            out = target.generate(ids, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - a refusal, or transformers failing in this mode: both are the control's result
+        status = "refused" if isinstance(exc, ValueError) and _REFUSAL in str(exc) else "error"
+        return {"status": status, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+    divergence = native_divergence(target, ids[0].tolist(), reference, out[0, ids.shape[1]:].tolist())
+    return {"status": "exact", "divergence": None} if divergence is None else {"status": "diverges", "divergence": divergence}
+
+
+def native_check(mode: str, runs: list[dict], lossless_evidence: str, version: str) -> dict:
+    """The control's row, shown next to ``lossless: MODE``; it passes whatever it shows."""
+    evidence = f"transformers {version}'s own generate(), no lossless: "
+    if runs and all(r["status"] == "refused" for r in runs):
+        evidence = f"refused by transformers {version} ({runs[0]['error'].split(': ', 1)[-1]})"
+    elif any(r["status"] == "diverges" for r in runs):
+        bad = [r for r in runs if r["status"] == "diverges"]
+        d = bad[0]["divergence"]
+        margin = f", from-scratch margin {d['margin']:.2e}" if d["margin"] is not None else ""
+        evidence += (f"{len(bad)}/{len(runs)} runs differ; prompt {bad[0]['prompt']} diverges at new token {d['new_token']}: "
+                     f"target greedy {d['expected']}, native {d['got']}{margin}")
+    elif any(r["status"] == "error" for r in runs):
+        err = next(r for r in runs if r["status"] == "error")
+        evidence += f"fails on prompt {err['prompt']}: {err['error']}"
+    else:
+        evidence += f"{len(runs)}/{len(runs)} runs token-identical (exact here)"
+    return {"check": f"native generate() (control): {mode}", "passed": True, "control": True,
+            "evidence": f"{evidence}; lossless: {lossless_evidence}", "native": runs}
+
+
 # ----------------------------------------------------------------------------- the verifier
 def _models(preset: str | None, target_dir: str | None, assistant_dir: str | None, dtype: str | None, workdir: Path, sampling: bool):
     """(label, target, assistant, scripted vocab or None, mtp available) for a preset or the user's folders."""
@@ -284,6 +360,12 @@ def _prompts(n: int, seed: int, vocab_hi: int, length: int = 24):
         motif = torch.randint(0, vocab_hi, (6,), generator=gen)
         out.append(torch.cat([motif] * (length // 6) + [motif[: length % 6]])[None])
     return out
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def _unavailable(mode: str, target, assistant, mtp: bool) -> str | None:
@@ -335,6 +417,10 @@ def verify_model(label, target, assistant, script_vocab, mtp, modes, prompts, ma
             evidence = (f"{len(bad)}/{len(st.runs)} runs differ; prompt {bad[0]['prompt']}: {bad[0].get('error') or bad[0]['description']}"
                         if bad else f"{len(st.runs)}/{len(st.runs)} runs token-identical to plain generate()")
             checks.append({"check": f"lossless: {mode}", "passed": not bad, "evidence": evidence})
+            # the control runs after the mode's lossless runs: an assistant's draft-length schedule carries over calls
+            native = [{"prompt": p, **run_native(target, mode, ids, ref, max_new, kwargs, script_vocab, seed=p)}
+                      for p, (ids, ref) in enumerate(zip(prompts, references))]
+            checks.append(native_check(mode, native, evidence, _transformers_version()))
         judged = [r for r in st.runs if "logits" in r]
         over = [r for r in judged if not r["logits"]["passed"]]
         worst = max(judged, key=lambda r: r["logits"]["max_abs"], default=None)
