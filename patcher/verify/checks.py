@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
-from . import calibration, neartie, oracle
+from . import calibration, drafter_oracle, neartie, oracle
 from .binding import call_generate, unsupported_sampling
 from .events import emit, error_summary
 from .models import greedy, multi_token_consistent
@@ -92,6 +92,7 @@ def verify_model(label: str, cfg: dict, fns: dict, target, draft, mask_token_id,
         draft.mask_token_id = mask_token_id
     cal = calibration.calibrate(target, prompts, references, override=cfg.get("logit_tolerance"))
     tolerance = cal.tolerance
+    dcal, draft_skip = drafter_calibration(target, draft, prompts[0], references[0], mask_token_id, block_size)
 
     # (d) the reference itself is sound on this transformers version (within this dtype's near-ties)
     ref0 = references[0][:16]
@@ -136,8 +137,9 @@ def verify_model(label: str, cfg: dict, fns: dict, target, draft, mask_token_id,
         if sampling:
             torch.manual_seed(10_000 + seed)
         recorder = oracle.LogitsRecorder(target)
+        drafted = drafter_oracle.DrafterRecorder(draft, target) if logits and draft_skip is None else None
         try:
-            with recorder if logits else contextlib.nullcontext():
+            with recorder if logits else contextlib.nullcontext(), drafted or contextlib.nullcontext():
                 new, acceptance, secs = call_generate(
                     fn, model=draft, target=target, input_ids=prompt, mask_token_id=mask_token_id,
                     max_new_tokens=max_new_tokens, block_size=block_size, stop_token_ids=stop_ids, tree_budget=budget,
@@ -153,6 +155,7 @@ def verify_model(label: str, cfg: dict, fns: dict, target, draft, mask_token_id,
             verdict = oracle.judge_logits(recorder.calls, final, forced, prompt.shape[1], tolerance)
             if not sampling:
                 ties = neartie.judge_ties(reference, new, forced, prompt.shape[1], cal.epsilon, mask_token_id, stop_ids or (), max_new_tokens)
+        run.drafter = judge_drafter(drafted, target, draft, final, mask_token_id, dcal) if logits and drafted else None
         run.ties = ties
         return new, acceptance, secs, verdict
 
@@ -198,14 +201,19 @@ def verify_model(label: str, cfg: dict, fns: dict, target, draft, mask_token_id,
             st.seconds += secs
             st.acceptance += acceptance
             partial_at = first_partial(acceptance, block_size)
+            if run.drafter is not None:
+                drafter_row = {"drafter": run.drafter.as_dict(), "drafter_description": run.drafter.describe()}
+            else:
+                drafter_row = {}
             if sampling:  # sampled tokens have no greedy reference: the logits oracle judges them
                 st.runs.append({"prompt": p_index, "verdict": {"identical": True}, "sampled": True, "logits": logits.as_dict(),
-                                "logits_description": logits.describe(), "first_partial": partial_at})
+                                "logits_description": logits.describe(), "first_partial": partial_at, **drafter_row})
             else:
                 verdict = compare(reference, new)
                 st.runs.append({"prompt": p_index, "verdict": verdict.as_dict(), "description": verdict.describe(),
                                 "logits": logits.as_dict(), "logits_description": logits.describe(),
-                                "ties": run.ties.as_dict(), "ties_description": run.ties.describe(), "first_partial": partial_at})
+                                "ties": run.ties.as_dict(), "ties_description": run.ties.describe(), "first_partial": partial_at,
+                                **drafter_row})
             done += 1
             emit("progress", done=done, total=total, label=f"{label}: prompt {p_index + 1} {name}")
 
@@ -241,6 +249,7 @@ def verify_model(label: str, cfg: dict, fns: dict, target, draft, mask_token_id,
             evidence = "no run"
         checks.append({"check": f"logits == from-scratch: {name}", "passed": bool(judged) and not over and not failed_runs,
                        "evidence": evidence})
+        checks.append(drafter_oracle.method_check(name, st.runs, draft_skip))
         if name in distributions:
             d = distributions[name]
             test = oracle.DistributionVerdict(d["statistic"], d["dof"], d["p_value"], d["samples"], d["alpha"])
@@ -268,7 +277,26 @@ def verify_model(label: str, cfg: dict, fns: dict, target, draft, mask_token_id,
         "logit_tolerance": tolerance,
         "calibration": cal.as_dict(),
         "mask_token_id": mask_token_id,
+        "drafter_calibration": dcal.as_dict() if dcal is not None else None,
     }
+
+
+def drafter_calibration(target, draft, prompt, reference, mask_token_id, block_size):
+    """(the drafter oracle's tolerances, None) or (None, why it cannot judge this drafter)."""
+    try:
+        return drafter_oracle.calibrate(target, draft, prompt, reference, mask_token_id, block_size), None
+    except drafter_oracle.Unbindable as exc:
+        return None, str(exc)
+    except Exception as exc:  # a drafter the reference forward cannot drive
+        return None, f"its from-scratch forward failed: {error_summary(exc)['error']}"
+
+
+def judge_drafter(drafted, target, draft, final, mask_token_id, dcal):
+    """The drafter oracle's verdict on one decode; a reference it cannot compute is a skip, not a pass."""
+    try:
+        return drafter_oracle.judge(drafted, target, draft, final, mask_token_id, dcal)
+    except Exception as exc:
+        return drafter_oracle.DrafterVerdict(skipped=f"its from-scratch reference failed: {error_summary(exc)['error']}")
 
 
 def first_partial(acceptance: list[int], block_size: int) -> int | None:

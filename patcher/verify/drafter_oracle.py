@@ -1,0 +1,497 @@
+"""The drafter oracle: what the decode loop fed the drafter, against a from-scratch reference.
+
+The target-side oracles (token identity, logits) cannot see a draft-side bug: the target
+checks every proposal, so a drafter fed stale context still yields exact tokens, only fewer
+of them accepted. ``DrafterRecorder`` hooks the drafter the verifier built (nothing in the tree
+changes) and keeps, per top-level drafter call, its inputs (context features, noise embedding,
+position ids, the draft cache's length before the call) and its raw output (before the
+scripted draft's hook replaces it); hooks on the target tell each round's committed length
+(the first position of the next decoding forward of the target).
+
+``judge`` then rebuilds every round from scratch on the final committed sequence: (a) the
+features must be the target's hidden states at the drafter's ``target_layer_ids``
+(``hidden_states[layer_id + 1]``) for exactly the positions new since the draft cache's
+length; (b) the noise embedding is the target's input embedding of ``[committed token, mask,
+...]``; (c) the positions run from the cache's length through the block; (d) the output
+equals one drafter forward over the whole committed context without a cache (windowed layers
+masked ``q - k < window`` unless the drafter masks them itself), and so do its proposals.
+Tolerances come from ``calibrate``: two exact computations of the features (no-cache
+multi-token against token-by-token with a cache) and the drafter's output on each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import weakref
+from dataclasses import dataclass, field
+
+from .calibration import MULTIPLE, ulp_of
+from .oracle import cache_given
+
+#: the drafter's parameters, by role: the spellings forks use (first found wins)
+ROLES = {
+    "features": ("target_hidden", "target_hidden_states", "context_features"),
+    "noise": ("noise_embedding", "noise_embeds", "inputs_embeds"),
+    "positions": ("position_ids",),
+}
+#: float32 keeps at least these (measured on correct runs of the presets: features <= 2e-6, output <= 2e-6)
+FLOAT32_MIN = {"features": 1e-4, "output": 1e-4}
+#: what to look at when a field differs (the recipe step, or the upstream line)
+HINTS = {
+    "cache": "the draft cache must be cut back to the committed length after each drafter call "
+             "(upstream: past_key_values_draft.crop(start); recipe step crop-compat)",
+    "positions": "position_ids[:, draft_cache_length : start + block_size] (upstream's draft call)",
+    "features": "target_hidden = extract_context_feature(verify.hidden_states, target_layer_ids) of the committed "
+                "positions only (upstream: layers_out[:, :committed] / layers_out[:, path, :]), "
+                "hidden_states[layer_id + 1]",
+    "noise": "noise_embedding = target.get_input_embeddings()(block) with block = [committed token, mask_token_id, ...] "
+             "(recipe step input-embeddings)",
+    "output": "the inputs agree but the output does not: the draft cache holds other context than the committed features "
+              "(a crop to another length), or the drafter's windowing (recipe step draft-sliding-window)",
+}
+
+
+class Unbindable(Exception):
+    """The oracle cannot read this drafter's calls: the reason goes into a visible ``skipped`` row."""
+
+
+def roles_of(draft) -> dict[str, str]:
+    """role -> the drafter forward's parameter name; ``Unbindable`` when one is missing."""
+    try:
+        params = inspect.signature(draft.forward).parameters
+    except (TypeError, ValueError) as exc:
+        raise Unbindable(f"the drafter's forward has no signature ({exc})") from None
+    found = {}
+    for role, names in ROLES.items():
+        name = next((n for n in names if n in params), None)
+        if name is None:
+            raise Unbindable(f"the drafter's forward takes none of {', '.join(names)}")
+        found[role] = name
+    if not getattr(draft, "target_layer_ids", None):
+        raise Unbindable("the drafter declares no target_layer_ids")
+    found["cache"] = next((n for n in ("past_key_values", "cache", "past_key_value") if n in params), None)
+    found["use_cache"] = "use_cache" if "use_cache" in params else None
+    return found
+
+
+# ----------------------------------------------------------------------------- recording
+class DrafterRecorder:
+    """Hooks (read-only) on the drafter and the target during one decode."""
+
+    def __init__(self, draft, target):
+        self.draft, self.target = draft, target
+        self.roles = roles_of(draft)
+        self.signature = inspect.signature(draft.forward)
+        self.calls: list[dict] = []
+        self.target_starts: list[tuple[int, int]] = []  # (events seen before, first position) per decoding forward
+        self._events = 0
+        self._depth = 0
+        self._handles = []
+
+    def __enter__(self):
+        self._handles = [
+            self.draft.register_forward_pre_hook(self._before, with_kwargs=True),
+            # first of the forward hooks: the raw output, before the scripted draft replaces it
+            self.draft.register_forward_hook(self._after, with_kwargs=True, prepend=True, always_call=True),
+            self.target.register_forward_pre_hook(self._target, with_kwargs=True),
+        ]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _arguments(self, args, kwargs) -> dict:
+        try:
+            bound = self.signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            bound = dict(kwargs)
+        for name, p in self.signature.parameters.items():
+            if p.kind is inspect.Parameter.VAR_KEYWORD and isinstance(bound.get(name), dict):
+                bound.update(bound.pop(name))
+        return bound
+
+    def _before(self, module, args, kwargs):
+        self._depth += 1
+        if self._depth > 1:  # the drafter calling itself (a nested helper): only the decode loop's call counts
+            return
+        got = self._arguments(args, kwargs)
+        cache = cache_given(got)
+        call = {"event": self._events, "cache_len": int(cache.get_seq_length()) if cache is not None else 0,
+                "has_cache": cache is not None}
+        for role in ("features", "noise", "positions"):
+            value = got.get(self.roles[role])
+            call[role] = value.detach().clone() if hasattr(value, "detach") else None
+        self._events += 1
+        self.calls.append(call)
+
+    def _after(self, module, args, kwargs, output):
+        self._depth -= 1
+        if self._depth or not self.calls or "output" in self.calls[-1]:
+            return
+        hidden = output[0] if isinstance(output, tuple) else getattr(output, "last_hidden_state", output)
+        self.calls[-1]["output"] = hidden.detach().clone() if hasattr(hidden, "detach") else None
+
+    def _target(self, module, args, kwargs):
+        cache = cache_given(kwargs)
+        if cache is None:  # not a decoding step (a probe, a reference forward)
+            return
+        positions = kwargs.get("position_ids")
+        first = int(positions.reshape(-1)[0]) if positions is not None else int(cache.get_seq_length())
+        self.target_starts.append((self._events, first))
+        self._events += 1
+
+    def start_of(self, call: dict) -> int | None:
+        """The committed length at a drafter call: where the next decoding forward of the target begins."""
+        return next((pos for event, pos in self.target_starts if event > call["event"]), None)
+
+
+# ----------------------------------------------------------------------------- the reference drafter forward
+_MASKS_ITSELF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _masks_itself(module, original, bound, torch) -> bool:
+    """Whether ``module`` builds a mask of its own when given none: its output given none differs from its
+    output given an all-visible mask once its window is narrowed to 1 (probed once per module)."""
+    if module in _MASKS_ITSELF:
+        return _MASKS_ITSELF[module]
+    hidden = next((v for v in bound.arguments.values() if isinstance(v, torch.Tensor)), None)
+    found = False
+    if hidden is not None:
+        window = module.sliding_window
+        try:
+            module.sliding_window = 1
+            outs = []
+            for mask in (None, torch.zeros((1, 1, 1, 1), dtype=hidden.dtype, device=hidden.device)):
+                probe = inspect.BoundArguments(bound.signature, {**bound.arguments, "attention_mask": mask})
+                out = original(*probe.args, **probe.kwargs)
+                outs.append((out[0] if isinstance(out, tuple) else out).float())
+            found = float((outs[0] - outs[1]).abs().max()) > 1e-4 * (float(outs[1].abs().max()) + 1e-6)
+        except Exception:  # a layout the probe cannot drive: mask it here
+            found = False
+        finally:
+            module.sliding_window = window
+    _MASKS_ITSELF[module] = found
+    return found
+
+
+@contextlib.contextmanager
+def windowed(draft, positions):
+    """Windowed attention modules of ``draft`` see a key at k from a query at q when ``q - k < window``,
+    unless they are handed a mask or build their own: the drafter as trained, without a cache."""
+    import torch
+
+    modules = [m for m in draft.modules()
+               if isinstance(getattr(m, "sliding_window", None), int) and isinstance(getattr(m, "layer_idx", None), int)]
+    keys = positions[0]
+
+    def masking(module, original):
+        signature = inspect.signature(original)
+
+        def forward(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            hidden = next((v for v in bound.arguments.values() if isinstance(v, torch.Tensor)), None)
+            if "attention_mask" not in signature.parameters or hidden is None or bound.arguments.get("attention_mask") is not None:
+                return original(*args, **kwargs)
+            if _masks_itself(module, original, bound, torch):
+                return original(*args, **kwargs)
+            queries = keys[-hidden.shape[1]:]
+            visible = (queries[:, None] - keys[None, :]) < module.sliding_window
+            mask = torch.zeros(visible.shape, dtype=hidden.dtype, device=hidden.device)
+            bound.arguments["attention_mask"] = mask.masked_fill(~visible, torch.finfo(hidden.dtype).min)[None, None]
+            return original(*bound.args, **bound.kwargs)
+
+        return forward
+
+    own = [(m, m.__dict__.get("forward")) for m in modules]
+    try:
+        for m in modules:
+            m.forward = masking(m, m.forward)
+        yield
+    finally:
+        for m, before in own:
+            if before is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = before
+
+
+def reference_output(draft, roles: dict, features, noise, positions):
+    """One drafter forward over the whole committed context, no cache."""
+    import torch
+
+    kwargs = {roles["features"]: features, roles["noise"]: noise, roles["positions"]: positions}
+    if roles.get("cache"):
+        kwargs[roles["cache"]] = None
+    if roles.get("use_cache"):
+        kwargs[roles["use_cache"]] = False
+    with torch.inference_mode(), windowed(draft, positions):
+        out = draft(**kwargs)
+    out = out[0] if isinstance(out, tuple) else getattr(out, "last_hidden_state", out)
+    return out[0].float().cpu()
+
+
+class Reference:
+    """The from-scratch target over the final committed sequence: features, embeddings, lm_head."""
+
+    def __init__(self, target, draft, sequence, hidden_states=None):
+        import torch
+
+        self.target, self.draft = target, draft
+        self.embed = target.get_input_embeddings()
+        self.device = self.embed.weight.device
+        self.sequence = list(sequence)
+        if hidden_states is None:
+            with torch.inference_mode():
+                ids = torch.tensor([self.sequence], device=self.device)
+                hidden_states = target(ids, use_cache=False, output_hidden_states=True).hidden_states
+        self.hidden_states = hidden_states
+        self.layer_ids = list(draft.target_layer_ids)
+        self.features = self.pick(self.layer_ids, 1)  # [seq, F] in the target's dtype and device
+
+    def pick(self, layer_ids, offset: int):
+        import torch
+
+        return torch.cat([self.hidden_states[i + offset][0] for i in layer_ids], dim=-1)
+
+    def block(self, start: int, q: int, mask_id: int):
+        import torch
+
+        ids = torch.tensor([[self.sequence[start]] + [mask_id] * (q - 1)], device=self.device)
+        with torch.inference_mode():
+            return self.embed(ids)
+
+
+# ----------------------------------------------------------------------------- tolerances
+@dataclass(frozen=True)
+class DrafterCalibration:
+    dtype: str
+    floors: dict  # field -> measured floor (at least one ulp)
+    tolerances: dict  # field -> tolerance
+
+    def describe(self) -> str:
+        return ", ".join(f"{k} tolerance {self.tolerances[k]:.1e} (floor {self.floors[k]:.1e})" for k in ("features", "output"))
+
+    def as_dict(self) -> dict:
+        return {"dtype": self.dtype, "floors": self.floors, "tolerances": self.tolerances}
+
+
+def calibrate(target, draft, prompt, continuation, mask_id: int, block_size: int) -> DrafterCalibration:
+    """Two exact computations of the context features (one multi-token forward without a cache, token by
+    token with a cache), and the from-scratch drafter output on each: their largest differences are the floors."""
+    import torch
+    from transformers import DynamicCache
+
+    roles = roles_of(draft)
+    seq = prompt[0].tolist() + list(continuation)
+    ref = Reference(target, draft, seq)
+    with torch.inference_mode():
+        cache = DynamicCache(config=target.config)
+        ids = torch.tensor([seq], device=ref.device)
+        steps = [target(ids[:, : prompt.shape[1]], past_key_values=cache, use_cache=True, output_hidden_states=True).hidden_states]
+        for i in range(prompt.shape[1], len(seq)):
+            steps.append(target(ids[:, i : i + 1], past_key_values=cache, use_cache=True, output_hidden_states=True).hidden_states)
+    stepped = tuple(torch.cat([s[j] for s in steps], dim=1) for j in range(len(steps[0])))
+    other = Reference(target, draft, seq, hidden_states=stepped)
+    a, b = ref.features.float().cpu(), other.features.float().cpu()
+    dtype = ref.features.dtype
+    start, q = len(seq) - 1, block_size
+    positions = torch.arange(start + q, device=ref.device)[None]
+    noise = ref.block(start, q, mask_id).to(next(draft.parameters()).dtype)
+    out_a = reference_output(draft, roles, ref.features[None, :start].to(noise.dtype), noise, positions)
+    out_b = reference_output(draft, roles, other.features[None, :start].to(noise.dtype), noise, positions)
+    floors = {"features": max(float((a - b).abs().max()), ulp_of(float(a.abs().max()), dtype)),
+              "output": max(float((out_a - out_b).abs().max()), ulp_of(float(out_a.abs().max()), noise.dtype))}
+    tolerances = {k: MULTIPLE * v for k, v in floors.items()}
+    if dtype == torch.float32:
+        tolerances = {k: max(v, FLOAT32_MIN[k]) for k, v in tolerances.items()}
+    return DrafterCalibration(str(dtype).replace("torch.", ""), floors, tolerances)
+
+
+# ----------------------------------------------------------------------------- the verdict
+@dataclass
+class DrafterVerdict:
+    rounds: int = 0  # drafter calls judged
+    unjudged: int = 0  # drafter calls past the final sequence (or not read)
+    failures: list = field(default_factory=list)  # (round, field, detail), in order
+    worst: dict = field(default_factory=dict)  # field -> largest |Δ| on any round
+    top1: list = field(default_factory=lambda: [0, 0])  # proposals equal / compared
+    skipped: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.skipped is None and self.rounds > 0 and not self.failures
+
+    def describe(self) -> str:
+        if self.skipped:
+            return f"drafter oracle: skipped ({self.skipped})"
+        if not self.rounds:
+            return "no drafter call was judged (the drafter was not called during the decode)"
+        if self.failures:
+            r, name, detail = self.failures[0]
+            more = sorted({f for _, f, _ in self.failures} - {name})
+            return (f"round {r}: {name} differs: {detail}" + (f"; also {', '.join(more)}" if more else "")
+                    + f" - hint: {HINTS.get(name, '')}")
+        worst = ", ".join(f"{k} {v:.1e}" for k, v in self.worst.items())
+        return f"{self.rounds} rounds from scratch, max |Δ| {worst}, top-1 {self.top1[0]}/{self.top1[1]}"
+
+    def as_dict(self) -> dict:
+        return {"passed": self.passed, "rounds": self.rounds, "unjudged": self.unjudged, "skipped": self.skipped,
+                "failures": [{"round": r, "field": f, "detail": d} for r, f, d in self.failures],
+                "worst": self.worst, "top1": list(self.top1)}
+
+
+def _span(values: list[int]) -> str:
+    if not values:
+        return "none"
+    if values == list(range(values[0], values[0] + len(values))):
+        return f"{values[0]}..{values[-1]}" if len(values) > 1 else str(values[0])
+    return ",".join(map(str, values))
+
+
+def _nearest_rows(rows, table) -> list[int]:
+    """For each row, the index of the nearest row of ``table`` (which position, which token id)."""
+    import torch
+
+    return torch.cdist(rows.float(), table.float()).argmin(dim=1).tolist() if rows.shape[0] and table.shape[0] else []
+
+
+def judge(recorder: DrafterRecorder, target, draft, final, mask_id: int, cal: DrafterCalibration) -> DrafterVerdict:
+    """Every recorded drafter call against its from-scratch reference on ``final`` (prompt + new tokens)."""
+    import torch
+
+    verdict = DrafterVerdict()
+    ref = Reference(target, draft, final)
+    feats = ref.features.float().cpu()
+    head = target.get_output_embeddings()
+    table = getattr(ref.embed, "weight", None)
+    tol_f, tol_o = cal.tolerances["features"], cal.tolerances["output"]
+    prev_start = 0
+    for r, call in enumerate(recorder.calls):
+        s, c = recorder.start_of(call), call["cache_len"]
+        noise, positions, features, output = call["noise"], call["positions"], call["features"], call.get("output")
+        if s is None or noise is None or positions is None or features is None or output is None or s >= len(final):
+            verdict.unjudged += 1
+            continue
+        verdict.rounds += 1
+        q = noise.shape[1]
+
+        def fail(name, detail):
+            verdict.failures.append((r, name, detail))
+
+        def worst(name, value):
+            verdict.worst[name] = max(verdict.worst.get(name, 0.0), value)
+
+        # the draft cache may hold committed context only: nothing past the previous round's committed length
+        if c > prev_start:
+            fail("cache", f"the draft cache held {c} positions before this call, the previous round had committed "
+                          f"only {prev_start} (it keeps {c - prev_start} block position(s))")
+        # (c) positions: the cache's length through the block
+        got = positions.reshape(-1, positions.shape[-1])[0].tolist()
+        want = list(range(c, s + q))
+        if got != want:
+            shift = got[0] - want[0] if len(got) == len(want) and all(g - w == got[0] - want[0] for g, w in zip(got, want)) else None
+            fail("positions", f"{_span(got)} given, {_span(want)} expected (draft cache {c}, committed {s})"
+                              + (f": shifted by {shift:+d}" if shift else ""))
+        # (a) the features: the committed positions new since the draft cache's length
+        rows = features[0].float().cpu()
+        want_rows = feats[c:s]
+        if rows.shape != want_rows.shape:
+            held = _nearest_rows(rows, feats[:len(final)]) if rows.shape[-1] == feats.shape[-1] else []
+            fail("features", f"{rows.shape[0]} rows given for positions {_span(list(range(c, s)))} ({s - c} expected)"
+                             + (f"; they are nearest to positions {_span(held)}" if held else ""))
+        elif rows.numel():
+            diff = float((rows - want_rows).abs().max())
+            worst("features", diff)
+            if diff > tol_f:
+                fail("features", f"max |Δ| {diff:.2e} over positions {_span(list(range(c, s)))} (tolerance {tol_f:.0e})"
+                                 + _which_features(ref, rows, c, s, tol_f, _nearest_rows(rows, feats[:len(final)])))
+        # (b) the noise embedding: the committed token, then the mask id
+        expect = ref.block(s, q, mask_id)[0].float().cpu()
+        given = noise[0].float().cpu()
+        if given.shape != expect.shape:
+            fail("noise", f"shape {tuple(given.shape)} given, {tuple(expect.shape)} expected")
+        else:
+            diff = float((given - expect).abs().max())
+            worst("noise", diff)
+            if diff > 1e-6 * (float(expect.abs().max()) + 1e-6):
+                bad = [i for i in range(q) if float((given[i] - expect[i]).abs().max()) > 1e-6 * (float(expect.abs().max()) + 1e-6)]
+                ids = _nearest_rows(given[bad], table.detach()) if table is not None else []
+                near = [float((given[i] - table[t].float().cpu()).abs().max()) for i, t in zip(bad, ids)] if ids else []
+                what = ", ".join(f"row {i} = id {t}" if d <= 1e-6 else f"row {i} is no row of the input embeddings (nearest id {t}, Δ {d:.1e})"
+                                 for i, t, d in zip(bad, ids, near))
+                fail("noise", f"max |Δ| {diff:.2e} at block rows {_span(bad)} (committed token {final[s]}, mask id {mask_id})"
+                              + (f": {what}" if what else ""))
+        # (d) the output: one drafter forward over the whole committed context, no cache
+        dtype = next(draft.parameters()).dtype
+        scratch = reference_output(draft, recorder.roles, ref.features[None, :s].to(dtype),
+                                   ref.block(s, q, mask_id).to(dtype), torch.arange(s + q, device=ref.device)[None])
+        out = output[0].float().cpu()
+        if out.shape != scratch.shape:
+            fail("output", f"shape {tuple(out.shape)} given, {tuple(scratch.shape)} from scratch")
+        else:
+            diff = float((out[1:] - scratch[1:]).abs().max()) if q > 1 else 0.0
+            worst("output", diff)
+            with torch.inference_mode():
+                lg = head(output[0, 1:].to(head.weight.dtype)).float().cpu()
+                lr = head(scratch[1:].to(head.weight.device, head.weight.dtype)).float().cpu()
+            top2 = lr.topk(2, dim=-1).values
+            margin, moved = (top2[:, 0] - top2[:, 1]), (lg - lr).abs().amax(dim=-1)
+            same = lg.argmax(-1) == lr.argmax(-1)
+            verdict.top1[0] += int(same.sum())
+            verdict.top1[1] += int(same.numel())
+            flips = [i + 1 for i in range(same.numel()) if not bool(same[i]) and float(margin[i]) > 2 * float(moved[i])]
+            if diff > tol_o or flips:
+                fail("output", f"max |Δ| {diff:.2e} against a from-scratch drafter forward (tolerance {tol_o:.0e}); "
+                               f"proposals equal at {int(same.sum())}/{same.numel()} block positions")
+        prev_start = s
+    return verdict
+
+
+def _which_features(ref, rows, c: int, s: int, tol: float, nearest: list[int]) -> str:
+    """Name the convention the given features follow, when it is a known wrong one."""
+    n = s - c
+    ids = ref.layer_ids
+    candidates = {"the layers in reverse order": (ids[::-1], 1), "hidden_states[layer_id] (the +1 offset dropped)": (ids, 0),
+                  "reversed and without the +1 offset": (ids[::-1], 0)}
+    for label, (layer_ids, offset) in candidates.items():
+        if layer_ids == ids and offset == 1:
+            continue
+        alt = ref.pick(layer_ids, offset).float().cpu()[c:s]
+        if alt.shape == rows.shape and float((alt - rows).abs().max()) <= tol:
+            return f"; they are {label} (target_layer_ids {ids})"
+    if nearest and nearest != list(range(c, s)):
+        return f"; the rows are nearest to positions {_span(nearest)} (stale context?)"
+    return ""
+
+
+def method_check(name: str, runs: list[dict], skipped: str | None = None) -> dict:
+    """The ``drafter: METHOD`` check over a method's runs (each may hold a ``drafter`` verdict)."""
+    check = {"check": f"drafter: {name}"}
+    if skipped:
+        return {**check, "passed": True, "skipped": True, "evidence": f"drafter oracle: skipped ({skipped})"}
+    judged = [r for r in runs if "drafter" in r]
+    errors = [r for r in runs if "error" in r]
+    over = [r for r in judged if not r["drafter"]["passed"]]
+    skips = [r for r in judged if r["drafter"].get("skipped")]
+    if skips and len(skips) == len(judged) and not errors:
+        return {**check, "passed": True, "skipped": True, "evidence": skips[0]["drafter_description"]}
+    if errors and not judged:
+        evidence = errors[0].get("error", "failed")
+    elif over:
+        evidence = f"{len(over)}/{len(judged)} runs differ; prompt {over[0]['prompt']}: {over[0]['drafter_description']}"
+        check["failures"] = over[0]["drafter"]["failures"][:8]
+    elif judged:
+        rounds = sum(r["drafter"]["rounds"] for r in judged)
+        worst = {}
+        for r in judged:
+            for k, v in r["drafter"]["worst"].items():
+                worst[k] = max(worst.get(k, 0.0), v)
+        top = [sum(r["drafter"]["top1"][i] for r in judged) for i in (0, 1)]
+        evidence = (f"{len(judged)}/{len(judged)} runs, {rounds} drafter calls equal a from-scratch drafter forward; max |Δ| "
+                    + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()) + f"; proposals {top[0]}/{top[1]}")
+    else:
+        evidence = "no run"
+    return {**check, "passed": bool(judged) and not over and not errors, "evidence": evidence}
