@@ -157,22 +157,75 @@ def test_every_command_gives_3_on_a_crash_and_130_on_ctrl_c(tmp_path, monkeypatc
         assert payload["exit_code"] == code and payload["command"] == " ".join(argv[:2] if argv[0] == "recipes" else argv[:1])
 
 
+#: How long ``apply`` may take to exit after its SIGINT. One file's write delay is 20 s, so a
+#: process that does not act on the signal (SIGINT ignored: inherited from a runner that
+#: ignores it, as a shell does for a background job) is caught before it would finish its
+#: writes and exit 0 on its own.
+SIGINT_EXIT_S = 15
+
+
+def _ignores_sigint(pid: int) -> bool:
+    """Whether SIGINT is ignored in process ``pid`` (bit 1 of ``SigIgn`` in /proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigIgn:")), 0)
+    return bool(mask & (1 << (signal.SIGINT - 1)))
+
+
+def _default_sigint() -> None:
+    # The test's runner may ignore SIGINT (a CI step run as a background job, nohup): an ignored
+    # SIGINT is inherited through fork and exec, and Python then installs no KeyboardInterrupt
+    # handler, so the Ctrl-C this test sends would never reach ddpatch. Ctrl-C in a terminal is
+    # delivered to a process whose SIGINT is the default, as here.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_a_real_ctrl_c_exits_130(tmp_path):
+    """A real SIGINT between two writes: one line and exit 130, within ``SIGINT_EXIT_S``.
+    A run that does not exit in time is stopped with SIGABRT, which makes Python's faulthandler
+    print every thread's stack: the failure shows where it was stuck."""
     root = tmp_path / "t"
     root.mkdir()
     for i in range(3):
         (root / f"timing{i}.py").write_text(TIMING)
-    env = {**os.environ, "DDPATCH_TEST_WRITE_DELAY": "20"}
+    env = {**os.environ, "DDPATCH_TEST_WRITE_DELAY": "20", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "patcher", "apply", str(root), *ONE], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
     try:
+        # ready: the first file is written, so ddpatch is past its imports, in its write loop
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and all((root / f"timing{i}.py").read_text() == TIMING for i in range(3)):
+        while all((root / f"timing{i}.py").read_text() == TIMING for i in range(3)):
+            assert proc.poll() is None, f"apply exited ({proc.returncode}) before writing a file: {proc.communicate()}"
+            assert time.monotonic() < deadline, "apply wrote no file within 120 s"
             time.sleep(0.05)
+        ignored = _ignores_sigint(proc.pid)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=SIGINT_EXIT_S)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # faulthandler: every thread's stack on stderr
+            _, err = proc.communicate(timeout=30)
+            pytest.fail(f"apply did not exit within {SIGINT_EXIT_S} s of its SIGINT (SIGINT ignored in it: {ignored}); "
+                        f"its stack at SIGABRT:\n{err}")
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.communicate()
     assert proc.returncode == 130, err
     assert err.strip().splitlines() == ["ddpatch: error: interrupted"]
+
+
+def test_the_ctrl_c_test_reaches_ddpatch_when_its_runner_ignores_sigint(tmp_path):
+    """The cause of a Ctrl-C test that waited out apply's writes: a runner that ignores SIGINT
+    passes that on to ddpatch. With the test's own reset (``_default_sigint``) the child takes SIGINT."""
+    code = ("import signal, subprocess, sys; signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "sys.path.insert(0, sys.argv[1]); from test_exit_codes import _default_sigint\n"
+            "cmd = [sys.executable, '-c', 'import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)']\n"
+            "plain = subprocess.run(cmd, capture_output=True, text=True).stdout.strip()\n"
+            "reset = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=_default_sigint).stdout.strip()\n"
+            "print(plain, reset)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert done.stdout.split() == ["False", "True"], done.stderr
