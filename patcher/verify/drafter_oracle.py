@@ -311,6 +311,10 @@ def calibrate(target, draft, prompt, continuation, mask_id: int, block_size: int
 
 
 # ----------------------------------------------------------------------------- the verdict
+#: the fields judged per round, in the order a failure names them
+FIELDS = ("cache", "features", "positions", "noise", "output")
+
+
 @dataclass
 class DrafterVerdict:
     rounds: int = 0  # drafter calls judged
@@ -330,10 +334,11 @@ class DrafterVerdict:
         if not self.rounds:
             return "no drafter call was judged (the drafter was not called during the decode)"
         if self.failures:
-            r, name, detail = self.failures[0]
-            more = sorted({f for _, f, _ in self.failures} - {name})
-            return (f"round {r}: {name} differs: {detail}" + (f"; also {', '.join(more)}" if more else "")
-                    + f" - hint: {HINTS.get(name, '')}")
+            first = self.failures[0][0]
+            here = [(f, d) for r, f, d in self.failures if r == first]
+            later = len({r for r, _, _ in self.failures} - {first})
+            return (f"round {first}: " + "; ".join(f"{f} differs: {d}" for f, d in here)
+                    + (f"; {later} later rounds differ too" if later else "") + f" - hint: {HINTS[here[0][0]]}")
         worst = ", ".join(f"{k} {v:.1e}" for k, v in self.worst.items())
         return f"{self.rounds} rounds from scratch, max |Δ| {worst}, top-1 {self.top1[0]}/{self.top1[1]}"
 
@@ -344,18 +349,80 @@ class DrafterVerdict:
 
 
 def _span(values: list[int]) -> str:
-    if not values:
-        return "none"
-    if values == list(range(values[0], values[0] + len(values))):
-        return f"{values[0]}..{values[-1]}" if len(values) > 1 else str(values[0])
-    return ",".join(map(str, values))
+    if len(values) > 1 and values == list(range(values[0], values[0] + len(values))):
+        return f"{values[0]}..{values[-1]}"
+    return ",".join(map(str, values)) or "none"
 
 
-def _nearest_rows(rows, table) -> list[int]:
+def _nearest(rows, table) -> list[int]:
     """For each row, the index of the nearest row of ``table`` (which position, which token id)."""
     import torch
 
     return torch.cdist(rows.float(), table.float()).argmin(dim=1).tolist() if rows.shape[0] and table.shape[0] else []
+
+
+def _features(ref, feats, rows, c: int, s: int, tol: float, worst) -> str | None:
+    """(a): the rows must be the reference features of positions c..s-1; what they are instead."""
+    span = _span(list(range(c, s)))
+    near = _nearest(rows, feats) if rows.shape[-1] == feats.shape[-1] else []
+    if rows.shape != feats[c:s].shape:
+        return f"{rows.shape[0]} rows given for positions {span} ({s - c} expected)" + (f", nearest to positions {_span(near)}" if near else "")
+    if not rows.numel():
+        return None
+    diff = worst("features", float((rows - feats[c:s]).abs().max()))
+    if diff <= tol:
+        return None
+    ids = ref.layer_ids
+    for label, (layer_ids, offset) in {"the layers in reverse order": (ids[::-1], 1), "hidden_states[layer_id] (the +1 offset dropped)": (ids, 0),
+                                       "reversed and without the +1 offset": (ids[::-1], 0)}.items():
+        alt = ref.pick(layer_ids, offset).float().cpu()[c:s]
+        if (layer_ids, offset) != (ids, 1) and float((alt - rows).abs().max()) <= tol:
+            return f"max |Δ| {diff:.2e} over positions {span} (tolerance {tol:.0e}): they are {label}, target_layer_ids {ids}"
+    stale = f", the rows are nearest to positions {_span(near)} (stale context?)" if near and near != list(range(c, s)) else ""
+    return f"max |Δ| {diff:.2e} over positions {span} (tolerance {tol:.0e})" + stale
+
+
+def _noise(ref, given, expect, token: int, mask_id: int, worst) -> str | None:
+    """(b): the block's embedding must be the committed token's, then the mask id's; which ids it holds instead."""
+    if given.shape != expect.shape:
+        return f"shape {tuple(given.shape)} given, {tuple(expect.shape)} expected"
+    exact = 1e-6 * (float(expect.abs().max()) + 1e-6)
+    diff = worst("noise", float((given - expect).abs().max()))
+    if diff <= exact:
+        return None
+    bad = [i for i in range(given.shape[0]) if float((given[i] - expect[i]).abs().max()) > exact]
+    table = getattr(ref.embed, "weight", None)
+    what = ""
+    if table is not None:
+        table = table.detach().float().cpu()
+        ids = _nearest(given[bad], table)
+        off = max(float((given[i] - table[t]).abs().max()) for i, t in zip(bad, ids))
+        what = (f": they embed ids {_span(ids)}" if off <= exact else
+                f": they are no rows of the target's input embeddings (nearest ids {_span(ids)}, Δ {off:.1e})")
+    return f"max |Δ| {diff:.2e} at block rows {_span(bad)} (committed token {token}, mask id {mask_id}){what}"
+
+
+def _output(head, out, scratch, tol: float, verdict, worst) -> str | None:
+    """(d): the drafter's raw output against the from-scratch forward, and its proposals (argmax), off near-ties."""
+    import torch
+
+    if out.shape != scratch.shape:
+        return f"shape {tuple(out.shape)} given, {tuple(scratch.shape)} from scratch"
+    if out.shape[0] < 2:
+        return None
+    diff = worst("output", float((out[1:] - scratch[1:]).abs().max()))
+    with torch.inference_mode():
+        w = head.weight
+        got, ref = (head(x[1:].to(w.device, w.dtype)).float().cpu() for x in (out, scratch))
+    top2 = ref.topk(2, dim=-1).values
+    same = got.argmax(-1) == ref.argmax(-1)
+    verdict.top1[0] += int(same.sum())
+    verdict.top1[1] += int(same.numel())
+    flips = (~same) & ((top2[:, 0] - top2[:, 1]) > 2 * (got - ref).abs().amax(dim=-1))
+    if diff <= tol and not bool(flips.any()):
+        return None
+    return (f"max |Δ| {diff:.2e} against a from-scratch drafter forward (tolerance {tol:.0e}); "
+            f"proposals equal at {int(same.sum())}/{same.numel()} block positions")
 
 
 def judge(recorder: DrafterRecorder, target, draft, final, mask_id: int, cal: DrafterCalibration) -> DrafterVerdict:
@@ -365,133 +432,59 @@ def judge(recorder: DrafterRecorder, target, draft, final, mask_id: int, cal: Dr
     verdict = DrafterVerdict()
     ref = Reference(target, draft, final)
     feats = ref.features.float().cpu()
-    head = target.get_output_embeddings()
-    table = getattr(ref.embed, "weight", None)
-    tol_f, tol_o = cal.tolerances["features"], cal.tolerances["output"]
+    head, dtype = target.get_output_embeddings(), next(draft.parameters()).dtype
+
+    def worst(name, value):
+        verdict.worst[name] = max(verdict.worst.get(name, 0.0), value)
+        return value
+
     prev_start = 0
     for r, call in enumerate(recorder.calls):
         s, c = recorder.start_of(call), call["cache_len"]
-        noise, positions, features, output = call["noise"], call["positions"], call["features"], call.get("output")
-        if s is None or noise is None or positions is None or features is None or output is None or s >= len(final):
+        if s is None or s >= len(final) or any(call.get(k) is None for k in ("noise", "positions", "features", "output")):
             verdict.unjudged += 1
             continue
         verdict.rounds += 1
-        q = noise.shape[1]
-
-        def fail(name, detail):
-            verdict.failures.append((r, name, detail))
-
-        def worst(name, value):
-            verdict.worst[name] = max(verdict.worst.get(name, 0.0), value)
-
-        # the draft cache may hold committed context only: nothing past the previous round's committed length
-        if c > prev_start:
-            fail("cache", f"the draft cache held {c} positions before this call, the previous round had committed "
-                          f"only {prev_start} (it keeps {c - prev_start} block position(s))")
-        # (c) positions: the cache's length through the block
-        got = positions.reshape(-1, positions.shape[-1])[0].tolist()
-        want = list(range(c, s + q))
-        if got != want:
-            shift = got[0] - want[0] if len(got) == len(want) and all(g - w == got[0] - want[0] for g, w in zip(got, want)) else None
-            fail("positions", f"{_span(got)} given, {_span(want)} expected (draft cache {c}, committed {s})"
-                              + (f": shifted by {shift:+d}" if shift else ""))
-        # (a) the features: the committed positions new since the draft cache's length
-        rows = features[0].float().cpu()
-        want_rows = feats[c:s]
-        if rows.shape != want_rows.shape:
-            held = _nearest_rows(rows, feats[:len(final)]) if rows.shape[-1] == feats.shape[-1] else []
-            fail("features", f"{rows.shape[0]} rows given for positions {_span(list(range(c, s)))} ({s - c} expected)"
-                             + (f"; they are nearest to positions {_span(held)}" if held else ""))
-        elif rows.numel():
-            diff = float((rows - want_rows).abs().max())
-            worst("features", diff)
-            if diff > tol_f:
-                fail("features", f"max |Δ| {diff:.2e} over positions {_span(list(range(c, s)))} (tolerance {tol_f:.0e})"
-                                 + _which_features(ref, rows, c, s, tol_f, _nearest_rows(rows, feats[:len(final)])))
-        # (b) the noise embedding: the committed token, then the mask id
-        expect = ref.block(s, q, mask_id)[0].float().cpu()
-        given = noise[0].float().cpu()
-        if given.shape != expect.shape:
-            fail("noise", f"shape {tuple(given.shape)} given, {tuple(expect.shape)} expected")
-        else:
-            diff = float((given - expect).abs().max())
-            worst("noise", diff)
-            if diff > 1e-6 * (float(expect.abs().max()) + 1e-6):
-                bad = [i for i in range(q) if float((given[i] - expect[i]).abs().max()) > 1e-6 * (float(expect.abs().max()) + 1e-6)]
-                ids = _nearest_rows(given[bad], table.detach()) if table is not None else []
-                near = [float((given[i] - table[t].float().cpu()).abs().max()) for i, t in zip(bad, ids)] if ids else []
-                what = ", ".join(f"row {i} = id {t}" if d <= 1e-6 else f"row {i} is no row of the input embeddings (nearest id {t}, Δ {d:.1e})"
-                                 for i, t, d in zip(bad, ids, near))
-                fail("noise", f"max |Δ| {diff:.2e} at block rows {_span(bad)} (committed token {final[s]}, mask id {mask_id})"
-                              + (f": {what}" if what else ""))
-        # (d) the output: one drafter forward over the whole committed context, no cache
-        dtype = next(draft.parameters()).dtype
-        scratch = reference_output(draft, recorder.roles, ref.features[None, :s].to(dtype),
-                                   ref.block(s, q, mask_id).to(dtype), torch.arange(s + q, device=ref.device)[None])
-        out = output[0].float().cpu()
-        if out.shape != scratch.shape:
-            fail("output", f"shape {tuple(out.shape)} given, {tuple(scratch.shape)} from scratch")
-        else:
-            diff = float((out[1:] - scratch[1:]).abs().max()) if q > 1 else 0.0
-            worst("output", diff)
-            with torch.inference_mode():
-                lg = head(output[0, 1:].to(head.weight.dtype)).float().cpu()
-                lr = head(scratch[1:].to(head.weight.device, head.weight.dtype)).float().cpu()
-            top2 = lr.topk(2, dim=-1).values
-            margin, moved = (top2[:, 0] - top2[:, 1]), (lg - lr).abs().amax(dim=-1)
-            same = lg.argmax(-1) == lr.argmax(-1)
-            verdict.top1[0] += int(same.sum())
-            verdict.top1[1] += int(same.numel())
-            flips = [i + 1 for i in range(same.numel()) if not bool(same[i]) and float(margin[i]) > 2 * float(moved[i])]
-            if diff > tol_o or flips:
-                fail("output", f"max |Δ| {diff:.2e} against a from-scratch drafter forward (tolerance {tol_o:.0e}); "
-                               f"proposals equal at {int(same.sum())}/{same.numel()} block positions")
+        q = call["noise"].shape[1]
+        got, want = call["positions"].reshape(-1, call["positions"].shape[-1])[0].tolist(), list(range(c, s + q))
+        shift = {g - w for g, w in zip(got, want)} if len(got) == len(want) else set()
+        scratch = reference_output(draft, recorder.roles, ref.features[None, :s].to(dtype), ref.block(s, q, mask_id).to(dtype),
+                                   torch.arange(s + q, device=ref.device)[None])
+        found = {
+            # the draft cache may hold committed context only: nothing past the previous round's committed length
+            "cache": None if c <= prev_start else (f"the draft cache held {c} positions before this call, the previous round "
+                                                   f"had committed only {prev_start} (it keeps {c - prev_start} block position(s))"),
+            "features": _features(ref, feats, call["features"][0].float().cpu(), c, s, cal.tolerances["features"], worst),
+            "positions": None if got == want else (f"{_span(got)} given, {_span(want)} expected (draft cache {c}, committed {s})"
+                                                   + (f": shifted by {shift.pop():+d}" if len(shift) == 1 else "")),
+            "noise": _noise(ref, call["noise"][0].float().cpu(), ref.block(s, q, mask_id)[0].float().cpu(), final[s], mask_id, worst),
+            "output": _output(head, call["output"][0].float().cpu(), scratch, cal.tolerances["output"], verdict, worst),
+        }
+        verdict.failures += [(r, name, found[name]) for name in FIELDS if found[name]]
         prev_start = s
     return verdict
-
-
-def _which_features(ref, rows, c: int, s: int, tol: float, nearest: list[int]) -> str:
-    """Name the convention the given features follow, when it is a known wrong one."""
-    n = s - c
-    ids = ref.layer_ids
-    candidates = {"the layers in reverse order": (ids[::-1], 1), "hidden_states[layer_id] (the +1 offset dropped)": (ids, 0),
-                  "reversed and without the +1 offset": (ids[::-1], 0)}
-    for label, (layer_ids, offset) in candidates.items():
-        if layer_ids == ids and offset == 1:
-            continue
-        alt = ref.pick(layer_ids, offset).float().cpu()[c:s]
-        if alt.shape == rows.shape and float((alt - rows).abs().max()) <= tol:
-            return f"; they are {label} (target_layer_ids {ids})"
-    if nearest and nearest != list(range(c, s)):
-        return f"; the rows are nearest to positions {_span(nearest)} (stale context?)"
-    return ""
 
 
 def method_check(name: str, runs: list[dict], skipped: str | None = None) -> dict:
     """The ``drafter: METHOD`` check over a method's runs (each may hold a ``drafter`` verdict)."""
     check = {"check": f"drafter: {name}"}
-    if skipped:
-        return {**check, "passed": True, "skipped": True, "evidence": f"drafter oracle: skipped ({skipped})"}
     judged = [r for r in runs if "drafter" in r]
+    skips = [r["drafter_description"] for r in judged if r["drafter"].get("skipped")]
+    if skipped or (judged and len(skips) == len(judged)):
+        return {**check, "passed": True, "skipped": True, "evidence": f"drafter oracle: skipped ({skipped})" if skipped else skips[0]}
     errors = [r for r in runs if "error" in r]
     over = [r for r in judged if not r["drafter"]["passed"]]
-    skips = [r for r in judged if r["drafter"].get("skipped")]
-    if skips and len(skips) == len(judged) and not errors:
-        return {**check, "passed": True, "skipped": True, "evidence": skips[0]["drafter_description"]}
     if errors and not judged:
         evidence = errors[0].get("error", "failed")
     elif over:
         evidence = f"{len(over)}/{len(judged)} runs differ; prompt {over[0]['prompt']}: {over[0]['drafter_description']}"
         check["failures"] = over[0]["drafter"]["failures"][:8]
     elif judged:
-        rounds = sum(r["drafter"]["rounds"] for r in judged)
-        worst = {}
-        for r in judged:
-            for k, v in r["drafter"]["worst"].items():
-                worst[k] = max(worst.get(k, 0.0), v)
+        worst = {k: max(r["drafter"]["worst"].get(k, 0.0) for r in judged) for k in judged[0]["drafter"]["worst"]}
         top = [sum(r["drafter"]["top1"][i] for r in judged) for i in (0, 1)]
-        evidence = (f"{len(judged)}/{len(judged)} runs, {rounds} drafter calls equal a from-scratch drafter forward; max |Δ| "
-                    + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()) + f"; proposals {top[0]}/{top[1]}")
+        evidence = (f"{len(judged)}/{len(judged)} runs, {sum(r['drafter']['rounds'] for r in judged)} drafter calls equal a "
+                    "from-scratch drafter forward; max |Δ| " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
+                    + f"; proposals {top[0]}/{top[1]}")
     else:
         evidence = "no run"
     return {**check, "passed": bool(judged) and not over and not errors, "evidence": evidence}
