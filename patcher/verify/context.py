@@ -10,6 +10,43 @@ decoding the accepted path is the chain of children that equal their parent's ar
 
 from __future__ import annotations
 
+import inspect
+import weakref
+
+# class -> whether its forward takes the cache as ``cache=`` (transformers 5.24+)
+_TAKES_CACHE: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+
+
+def cache_keyword(model) -> str:
+    """The keyword ``model``'s forward takes its cache under: ``cache`` on transformers 5.24+ (where
+    ``past_key_values`` is deprecated, and gone in 5.40), ``past_key_values`` before, and for a forward
+    that has no ``cache`` parameter (a drafter of its own). Decided once per class."""
+    cls = type(model)
+    try:
+        return "cache" if _TAKES_CACHE[cls] else "past_key_values"
+    except (KeyError, TypeError):
+        pass
+    try:
+        found = "cache" in inspect.signature(getattr(cls, "forward", None)).parameters
+    except (TypeError, ValueError):
+        found = False
+    try:
+        _TAKES_CACHE[cls] = found
+    except TypeError:
+        pass
+    return "cache" if found else "past_key_values"
+
+
+def with_cache(model, cache) -> dict:
+    """``{keyword: cache}`` for a call of ``model`` (``target(ids, **with_cache(target, cache), use_cache=True)``)."""
+    return {cache_keyword(model): cache}
+
+
+def passed_cache(kwargs: dict):
+    """The cache a forward was given, under either keyword (``past_key_values=`` or 5.24+'s ``cache=``)."""
+    cache = kwargs.get("past_key_values")
+    return kwargs.get("cache") if cache is None else cache
+
 
 class DecodeContext:
     def __init__(self, target):
@@ -33,7 +70,7 @@ class DecodeContext:
             self.block_ids = args[0]
 
     def _after(self, module, args, kwargs, output):
-        if kwargs.get("past_key_values") is None:  # not a decoding step
+        if passed_cache(kwargs) is None:  # not a decoding step
             return
         ids = args[0] if args else kwargs.get("input_ids")
         positions = kwargs.get("position_ids")

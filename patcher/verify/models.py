@@ -163,12 +163,14 @@ def greedy(target, prompt, max_new_tokens: int, stop_ids=(), use_cache: bool = T
     import torch
     from transformers import DynamicCache
 
+    from .context import with_cache
+
     ids = prompt.clone()
     out: list[int] = []
     with torch.inference_mode():
         if use_cache:
             cache = DynamicCache(config=target.config)
-            logits = target(ids, past_key_values=cache, use_cache=True).logits
+            logits = target(ids, **with_cache(target, cache), use_cache=True).logits
         else:
             logits = target(ids, use_cache=False).logits
         for _ in range(max_new_tokens):
@@ -178,7 +180,7 @@ def greedy(target, prompt, max_new_tokens: int, stop_ids=(), use_cache: bool = T
                 break
             step = torch.tensor([[token]], device=ids.device)
             if use_cache:
-                logits = target(step, past_key_values=cache, use_cache=True).logits
+                logits = target(step, **with_cache(target, cache), use_cache=True).logits
             else:
                 ids = torch.cat([ids, step], dim=1)
                 logits = target(ids, use_cache=False).logits
@@ -190,14 +192,16 @@ def multi_token_consistent(target, prompt, continuation: list[int]) -> tuple[boo
     import torch
     from transformers import DynamicCache
 
+    from .context import with_cache
+
     cont = torch.tensor([continuation], device=prompt.device)
     with torch.inference_mode():
         a = DynamicCache(config=target.config)
-        target(prompt, past_key_values=a, use_cache=True)
-        block = target(cont, past_key_values=a, use_cache=True).logits[0].float()
+        target(prompt, **with_cache(target, a), use_cache=True)
+        block = target(cont, **with_cache(target, a), use_cache=True).logits[0].float()
         b = DynamicCache(config=target.config)
-        target(prompt, past_key_values=b, use_cache=True)
-        steps = [target(cont[:, i : i + 1], past_key_values=b, use_cache=True).logits[0, -1].float() for i in range(cont.shape[1])]
+        target(prompt, **with_cache(target, b), use_cache=True)
+        steps = [target(cont[:, i : i + 1], **with_cache(target, b), use_cache=True).logits[0, -1].float() for i in range(cont.shape[1])]
     steps_t = torch.stack(steps)
     same = bool((block.argmax(-1) == steps_t.argmax(-1)).all())
     return same, float((block - steps_t).abs().max())
