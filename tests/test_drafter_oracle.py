@@ -170,3 +170,96 @@ def test_a_draft_side_bug_fails_verify_with_the_field_named(full, tmp_path, bug)
 @pytest.mark.parametrize("bug", [b for b in BUGS if b not in FAST])
 def test_every_other_draft_side_bug_fails_verify(full, tmp_path, bug):
     _assert_caught(full, tmp_path, bug)
+
+
+# ----------------------------------------------------------------------------- a drafter it cannot bind
+def unbindable(tree):
+    # the drafter's context parameter under a name the oracle does not know (the decoders follow it)
+    edit(tree, "model/dflash.py", ("target_hidden: Optional[torch.Tensor] = None,", "ctx_states: Optional[torch.Tensor] = None,"),
+         ("self.fc(target_hidden)", "self.fc(ctx_states)"))
+    for rel in (CHAIN, TREE_):
+        edit(tree, rel, ("target_hidden=target_hidden,", "ctx_states=target_hidden,"))
+
+
+def test_a_drafter_it_cannot_bind_is_a_visible_skip_not_a_pass(full, tmp_path):
+    tree = tmp_path / "unbindable"
+    shutil.copytree(full, tree, ignore=shutil.ignore_patterns("__pycache__"))
+    unbindable(tree)
+    proc = ddpatch("verify", tree, *QUICK)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for method in METHODS:
+        row = next(line for line in proc.stdout.splitlines() if f"drafter: {method} " in line)
+        assert " skip " in row and "drafter oracle: skipped (the drafter's forward takes none of target_hidden" in row, row
+        assert " pass " not in row, row
+
+
+def test_the_verdict_names_the_first_round_every_field_and_a_hint():
+    from patcher.verify.checks import drafter_check as method_check
+    from patcher.verify.drafter_oracle import DrafterVerdict
+
+    verdict = DrafterVerdict(rounds=3, failures=[(1, "features", "max |Δ| 4.0e-02"), (1, "output", "max |Δ| 1.1e+00"), (2, "output", "x")])
+    text = verdict.describe()
+    assert text.startswith("round 1: features differs: max |Δ| 4.0e-02; output differs: max |Δ| 1.1e+00; 1 later rounds differ too")
+    assert "hint: target_hidden = extract_context_feature" in text and not verdict.passed
+    assert not DrafterVerdict().passed, "no drafter call judged is no evidence"
+    runs = [{"prompt": 0, "drafter": verdict.as_dict(), "drafter_description": text}]
+    check = method_check("ddtree_tb4", runs)
+    assert check["check"] == "drafter: ddtree_tb4" and not check["passed"] and check["failures"][0]["field"] == "features"
+    skipped = method_check("dflash", runs, skipped="the drafter declares no target_layer_ids")
+    assert skipped["passed"] and skipped["skipped"] and skipped["evidence"].startswith("drafter oracle: skipped (")
+
+
+# ----------------------------------------------------------------------------- the DFlash layouts, drafters that mask themselves
+def _applied(src: Path, out: Path, *extra) -> Path:
+    proc = ddpatch("apply", src, "--recipe", "qwen3_6-gdn", "--out", out, *extra)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+def _drafter_checks(tree: Path) -> tuple[int, dict]:
+    proc = ddpatch("verify", tree, "--format", "json", *QUICK)
+    assert proc.returncode in (0, 1), proc.stderr
+    payload = json.loads(proc.stdout)
+    return proc.returncode, {c["check"]: c for c in payload["models"][0]["checks"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dflash", "dflash-legacy", "dflash-2604", "draft-masks-itself", "native-5x"])
+def test_every_dflash_layout_and_a_self_masking_drafter_pass(tmp_path, layout):
+    from drift.variants import BY_NAME
+    from test_layouts import LAYOUTS
+
+    if layout == "dflash":
+        src = ROOT / "vendored" / "dflash"
+    elif layout in LAYOUTS:
+        src = LAYOUTS[layout](tmp_path)
+    else:
+        src = BY_NAME[layout].make(tmp_path / layout)
+    code, checks = _drafter_checks(_applied(src, tmp_path / "patched"))
+    assert code == 0, [c for c in checks.values() if not c["passed"]]
+    check = checks["drafter: dflash"]
+    assert check["passed"] and not check.get("skipped") and "drafter calls equal" in check["evidence"], check
+
+
+@pytest.mark.slow
+def test_a_planted_bug_in_the_dflash_layout_fails(tmp_path):
+    tree = _applied(ROOT / "vendored" / "dflash", tmp_path / "patched")
+    path = tree / "dflash" / "model.py"
+    text = path.read_text()
+    assert text.count("model.target_layer_ids)") == 2
+    path.write_text(text.replace("model.target_layer_ids)", "model.target_layer_ids[::-1])"))
+    code, checks = _drafter_checks(tree)
+    assert code == 1 and checks["lossless: dflash"]["passed"]
+    assert not checks["drafter: dflash"]["passed"] and "reverse order" in checks["drafter: dflash"]["evidence"]
+
+
+@pytest.mark.slow
+def test_a_drafter_that_attends_past_its_window_fails(tmp_path):
+    """Without the draft-sliding-window step, sdpa ignores the drafter's window (prompt 8 + 12 tokens
+    outgrow the presets' window of 16): the target side stays exact, the drafter's output does not."""
+    tree = _applied(ROOT / "vendored" / "ddtree", tmp_path / "patched", "--ignore", "draft-sliding-window", "--allow-lossy")
+    code, checks = _drafter_checks(tree)
+    assert code == 1 and checks["lossless: dflash"]["passed"] and checks["lossless: ddtree_tb4"]["passed"]
+    for method in METHODS:
+        check = checks[f"drafter: {method}"]
+        assert not check["passed"] and check["failures"][0]["field"] == "output", check

@@ -463,28 +463,3 @@ def judge(recorder: DrafterRecorder, target, draft, final, mask_id: int, cal: Dr
         verdict.failures += [(r, name, found[name]) for name in FIELDS if found[name]]
         prev_start = s
     return verdict
-
-
-def method_check(name: str, runs: list[dict], skipped: str | None = None) -> dict:
-    """The ``drafter: METHOD`` check over a method's runs (each may hold a ``drafter`` verdict)."""
-    check = {"check": f"drafter: {name}"}
-    judged = [r for r in runs if "drafter" in r]
-    skips = [r["drafter_description"] for r in judged if r["drafter"].get("skipped")]
-    if skipped or (judged and len(skips) == len(judged)):
-        return {**check, "passed": True, "skipped": True, "evidence": f"drafter oracle: skipped ({skipped})" if skipped else skips[0]}
-    errors = [r for r in runs if "error" in r]
-    over = [r for r in judged if not r["drafter"]["passed"]]
-    if errors and not judged:
-        evidence = errors[0].get("error", "failed")
-    elif over:
-        evidence = f"{len(over)}/{len(judged)} runs differ; prompt {over[0]['prompt']}: {over[0]['drafter_description']}"
-        check["failures"] = over[0]["drafter"]["failures"][:8]
-    elif judged:
-        worst = {k: max(r["drafter"]["worst"].get(k, 0.0) for r in judged) for k in judged[0]["drafter"]["worst"]}
-        top = [sum(r["drafter"]["top1"][i] for r in judged) for i in (0, 1)]
-        evidence = (f"{len(judged)}/{len(judged)} runs, {sum(r['drafter']['rounds'] for r in judged)} drafter calls equal a "
-                    "from-scratch drafter forward; max |Δ| " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
-                    + f"; proposals {top[0]}/{top[1]}")
-    else:
-        evidence = "no run"
-    return {**check, "passed": bool(judged) and not over and not errors, "evidence": evidence}
