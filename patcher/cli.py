@@ -189,8 +189,9 @@ verify_options = _options(
     click.option("--draft", type=click.Path(path_type=Path), default=None, help="A local draft model folder for the tree's DFlashDraftModel."),
     click.option("--scripted-draft", is_flag=True,
                  help="Script the draft's proposals from the target's greedy continuation (true token at rank 0, 1 or "
-                      "nowhere), as the presets do. With --target alone, a draft that fits the target is built from "
-                      "the tree's own DFlashDraftModel; with --draft, the real drafter's proposals are scripted."),
+                      "nowhere), as the random presets always do. Needs --target (or the trained-qwen3_5 preset): with --target "
+                      "alone, a draft that fits the target is built from the tree's own DFlashDraftModel; with --draft, "
+                      "the real drafter's proposals are scripted."),
     click.option("--device-map", default=None, help="accelerate device_map for real models, e.g. auto."),
     click.option("--dtype", default=None, help="torch dtype for real models (default bfloat16)."),
     click.option("--attn-implementation", default=None, help="Target attention implementation (default sdpa)."),

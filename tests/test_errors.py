@@ -61,6 +61,9 @@ def one_error_line(result, needle: str) -> str:
         (["demo", "--block-size", "0"], "--block-size"),
         (["demo", "--timeout", "-1"], "--timeout"),
         (["ci", "--recipe", "qwen3_6-gdn", "--repo", ".", "--verify", "--tree-budgets", "0"], "--tree-budgets"),
+        # a random preset's draft is always scripted: the flag would change nothing, so it is refused
+        (["verify", str(VENDORED / "ddtree"), "--scripted-draft"], "--scripted-draft needs --target"),
+        (["verify", str(VENDORED / "ddtree"), "--preset", "tiny-qwen3_5", "--scripted-draft"], "always scripted already"),
     ],
 )
 def test_usage_errors_are_one_ddpatch_error_line_and_exit_2(args, needle):

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..errors import VerifierCrash, VerifyError
 from ..results import Outcome
+from .trained import folder_preset_options
 
 DEFAULTS = dict(
     presets=["tiny-qwen3_5"],
@@ -42,6 +43,10 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
     tree = Path(tree)
     if not tree.is_dir():
         raise VerifyError(f"not a directory: {tree}")
+    try:  # a trained pair's preset is its two folders: the --target/--draft path, unscripted (trained.py)
+        options = folder_preset_options(options)
+    except ValueError as exc:
+        raise VerifyError(str(exc)) from None
     for key in ("target", "draft"):  # the child runs in a temporary folder: resolve against the caller's
         if options.get(key):
             options[key] = str(Path(options[key]).expanduser().resolve())
@@ -49,6 +54,9 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
             raise VerifyError(f"--{key} {options[key]} does not exist")
     if options.get("draft") and not options.get("target"):
         raise VerifyError("--draft needs --target")
+    if options.get("scripted_draft") and not options.get("target"):
+        raise VerifyError("--scripted-draft needs --target (or the trained-qwen3_5 preset): a random preset's draft is "
+                          "always scripted already, from the target's greedy continuation (true token at rank 0, 1 or nowhere)")
     if options.get("target") and not options.get("draft") and not options.get("scripted_draft"):
         raise VerifyError("--target needs --draft, or --scripted-draft to build a scripted draft from the tree's DFlashDraftModel")
     cfg = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}, "tree": str(tree.resolve())}
