@@ -368,12 +368,16 @@ def test_discovery_needs_both_kernel_and_conv():
     assert rt._fast_gdn_kernels(rt.hybrid_linear_modules(model("tiny-qwen3_5"))[0][1]) is not None
 
 
-# bf16 tolerances, from a measured noise floor (tiny-qwen3_5, seed 0, torch 2.13 CPU): the
-# committed cache against a from-scratch prefill differs by <= 9.3e-10 in the float32 recurrent
-# states (about 5e-3 in size) and by 0 in conv states, keys, values and the next step's bf16
-# logits; a from-scratch prefill run in two chunks differs from a one-pass prefill as much.
-# A commit that keeps the 3 rejected tokens moves the recurrent states by 3.7e-3 to 6.1e-3
-# and the next logits by 8.3e-2. The tolerances sit 100x above the floor and >= 8x below that.
+# bf16 tolerances, from a measured noise floor (tiny-qwen3_5, seed 0, torch 2.13 CPU, AVX2).
+# The reference is the target alone fed the same tokens in the same rounds as the decode
+# (the prompt, the kept chain, the accepted tree path): a round boundary is itself bf16 noise.
+# The same tokens in one pass differ from it by 1.6e-2 (one bf16 ulp) in an attention key,
+# 8.7e-6 in a float32 recurrent state and 2e-3 in the next logits, a difference that appears or not
+# with the machine's kernels, so no tolerance can rest on it. Against the rounds, the committed
+# cache differs by <= 5.8e-10 in the recurrent states and by 0 in conv states, keys, values
+# and the next step's logits. A commit that keeps the 3 rejected tokens moves the recurrent
+# states by 3.7e-3 to 6.1e-3 and the next logits by 8.3e-2 to 9e-2. The tolerances sit 100x
+# above the floor and >= 8x below that.
 BF16_STATE_ATOL = 1e-7
 BF16_LOGITS_ATOL = 1e-2
 
@@ -383,11 +387,19 @@ def _max_state_diff(a_cache, b_cache) -> dict[str, float]:
             for (name, a), (_, b) in zip(state_tensors(a_cache), state_tensors(b_cache), strict=True)}
 
 
+def _in_rounds(m, *rounds):
+    """A config-built cache that ran each of ``rounds`` in turn (one forward each), as a decode does."""
+    cache = prefill(m, rounds[0])
+    for tokens in rounds[1:]:
+        m(tokens, past_key_values=cache, use_cache=True)
+    return cache
+
+
 def test_bfloat16_chain_and_tree():
     """bf16 weights (the GPU case): the captured tensors keep their dtypes, the state its float32,
-    and the commit is exact to the noise floor: states within BF16_STATE_ATOL of a from-scratch
-    run and the next step's logits within BF16_LOGITS_ATOL, where a commit that keeps the chain's
-    rejected tokens is far outside both (checked here against that wrong reference)."""
+    and the commit is exact to the noise floor: states within BF16_STATE_ATOL of the target fed
+    the same rounds and the next step's logits within BF16_LOGITS_ATOL, where a commit that keeps
+    the chain's rejected tokens is far outside both (checked here against that wrong reference)."""
     m = build_target("tiny-qwen3_5", seed=0, dtype="bfloat16")
     gen = torch.Generator().manual_seed(9)
     prompt = torch.randint(0, VOCAB_DRAW, (1, 6), generator=gen)
@@ -398,28 +410,25 @@ def test_bfloat16_chain_and_tree():
     with torch.inference_mode():
         cache = prefill(m, prompt)
         rt.verify_forward(m, block, position_ids=torch.arange(6, 12)[None], past_key_values=cache, use_cache=True)
-        assert rt._get_record(cache).fast
+        assert rt._get_record(cache).fast, "chain: fast path not used"
         cache.crop(-3)
         rt.verify_forward(m, block, position_ids=(9 + torch.tensor(depths(parents)))[None],
                           attention_mask=tree_mask(parents, 9).to(torch.bfloat16), past_key_values=cache, use_cache=True)
-        assert rt._get_record(cache).fast
+        assert rt._get_record(cache).fast, "tree: fast path not used"
         rt.compact_cache(cache, 9, path)
         accepted = torch.cat([prompt, block[:, :3], block[:, path]], 1)
-        ref = prefill(m, accepted)
-        chunked = prefill(m, accepted[:, :9])  # the same tokens in two passes: the noise floor of bf16 here
-        m(accepted[:, 9:], past_key_values=chunked, use_cache=True)
+        ref = _in_rounds(m, prompt, block[:, :3], block[:, path])
+        one_pass = prefill(m, accepted)  # the same tokens without the round boundaries: bf16 noise apart
         wrong = prefill(m, torch.cat([prompt, block, block[:, path]], 1))  # the 3 rejected tokens kept
         for (name, a), (_, b) in zip(state_tensors(cache), state_tensors(ref), strict=True):
             assert a.dtype == b.dtype and a.shape == b.shape, name
-        floor = _max_state_diff(chunked, ref)
-        assert max(floor.values()) < BF16_STATE_ATOL / 10, f"the bf16 noise floor moved: {floor}; re-derive the tolerances"
         got = _max_state_diff(cache, ref)
         bad = {n: d for n, d in got.items() if d > BF16_STATE_ATOL}
-        assert not bad, f"committed bf16 state off the from-scratch run by more than {BF16_STATE_ATOL}: {bad}"
+        assert not bad, f"committed bf16 state off the target's own rounds by more than {BF16_STATE_ATOL}: {bad}"
         positions = torch.arange(13, 16)[None]
         logits = {k: m(following, past_key_values=c, use_cache=True, position_ids=positions).logits.float()
-                  for k, c in (("cache", cache), ("ref", ref), ("chunked", chunked), ("wrong", wrong))}
-    assert (logits["chunked"] - logits["ref"]).abs().max() < BF16_LOGITS_ATOL / 10, "the bf16 logits' noise floor moved"
+                  for k, c in (("cache", cache), ("ref", ref), ("one_pass", one_pass), ("wrong", wrong))}
+    assert (logits["one_pass"] - logits["ref"]).abs().max() < BF16_LOGITS_ATOL / 2, "the bf16 logits' noise floor moved"
     torch.testing.assert_close(logits["cache"], logits["ref"], atol=BF16_LOGITS_ATOL, rtol=0)
     assert (logits["wrong"] - logits["ref"]).abs().max() > 4 * BF16_LOGITS_ATOL, (
         "keeping the rejected tokens does not move the next logits past the tolerance: this test could not fail"
