@@ -113,7 +113,7 @@ BUGS = {
     "wrong-table": (wrong_table, "noise"),
     "wrong-mask-id": (wrong_mask_id, "noise"),
 }
-FAST = ("cache-off-by-one", "stale-features", "layers-reversed", "wrong-mask-id")
+FAST = ("cache-off-by-one", "stale-features", "wrong-mask-id")
 
 
 def verify(tree: Path) -> tuple[int, dict]:

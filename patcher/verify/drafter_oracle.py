@@ -254,7 +254,8 @@ class Reference:
     def pick(self, layer_ids, offset: int):
         import torch
 
-        return torch.cat([self.hidden_states[i + offset][0] for i in layer_ids], dim=-1)
+        # on the embeddings' device: under a device_map the layers' hidden states live on their own devices
+        return torch.cat([self.hidden_states[i + offset][0].to(self.device) for i in layer_ids], dim=-1)
 
     def block(self, start: int, q: int, mask_id: int):
         import torch
