@@ -51,7 +51,14 @@ def test_cli_flags_override_the_file_and_isolated_ignores_it(tmp_path):
     (root / "ddpatch.toml").write_text('select = "cpu-safe-timing"\nformat = "json"\n')
     assert steps(run("check", root, "--select", "crop-compat,cpu-safe-timing")) == ["crop-compat", "cpu-safe-timing"]
     isolated = run("check", root, "--isolated", "--select", "cpu-safe-timing")
-    assert not isolated.stdout.lstrip().startswith("{"), "--isolated reads no file: text output"
+    # the file's format = "json" is not read: the text report, and check's findings exit (a step pending)
+    assert isolated.exit_code == 1, isolated.output
+    assert not isolated.stdout.lstrip().startswith("{") and "cpu-safe-timing  pending" in isolated.stdout, isolated.stdout
+    # nor its select: without --select every step of the recipe is checked, not only the file's one
+    unselected = run("check", root, "--isolated", "--format", "json")
+    assert unselected.exit_code == 1, unselected.output
+    listed = steps(unselected)
+    assert "cpu-safe-timing" in listed and "crop-compat" in listed and len(listed) > 2, listed
 
 
 def test_ddpatch_toml_wins_over_pyproject_in_the_same_folder_and_a_pyproject_without_the_table_is_passed_over(tmp_path):
