@@ -37,11 +37,20 @@ def test_the_floor_is_measured_and_the_tolerance_is_a_fixed_multiple_of_it():
         target = build_target("tiny-qwen3_5").to(dtype)
         refs = [models.greedy(target, p, 12) for p in prompts]
         cal = calibration.calibrate(target, prompts, refs)
-        assert cal.positions == 24 and cal.floor >= cal.ulp > 0
-        if dtype == torch.bfloat16:
-            assert 1e-3 < cal.floor < 2e-2 and cal.tolerance == calibration.MULTIPLE * cal.floor and cal.conclusive
-        else:  # float32 keeps the presets' measured tolerance
-            assert cal.floor < 1e-5 and cal.tolerance == calibration.FLOAT32_MIN_TOLERANCE
+        # the measured part is the largest |multi-token - token-by-token| over the prompts, computed here again
+        diffs = [float((a - b).abs().max()) for a, b in (calibration.two_ways(target, p, r) for p, r in zip(prompts, refs))]
+        assert cal.measured == max(diffs) > 0, (cal.measured, diffs)
+        assert cal.positions == 24 and cal.floor == max(cal.measured, cal.ulp) and cal.ulp > 0
+        assert cal.multiple == 4.0
+        if dtype == torch.bfloat16:  # the measured part (~3e-3) stays under one ulp (3.9e-3): the floor is the ulp
+            assert 1e-3 < cal.floor < 2e-2 and cal.tolerance == 4.0 * cal.floor and cal.conclusive
+            # conclusive means tolerance <= 0.5 x spread: on this model any multiple up to ~19.7 floors would still
+            # be conclusive, so `conclusive` alone does not pin the multiple (the literal 4.0 above does); 4 floors
+            # leave this model a margin of more than 4x under that bound
+            assert 4 * cal.tolerance < calibration.CONCLUSIVE_FRACTION * cal.spread
+        else:  # float32: the measured floor (~1.8e-7) is three ulps, and the presets' fixed tolerance stays
+            assert cal.floor == cal.measured > 2 * cal.ulp and cal.floor < 1e-5
+            assert cal.tolerance == calibration.FLOAT32_MIN_TOLERANCE == 3e-5
         assert calibration.calibrate(target, prompts, refs, override=0.5).tolerance == 0.5
 
 
@@ -178,7 +187,11 @@ def test_bf16_full_recipe_passes_through_a_relative_target_with_an_html_page(tre
     assert code == 0, [c for c in model["checks"] if not c["passed"]]
     assert payload["loaded"]["dtype"] == "bfloat16" and payload["loaded"]["attn_implementation"] == "sdpa"
     cal = model["calibration"]
-    assert cal["multiple"] == calibration.MULTIPLE and model["logit_tolerance"] == cal["tolerance"] < 0.05
+    assert cal["multiple"] == 4.0 and cal["tolerance"] == 4.0 * cal["floor"], cal
+    assert model["logit_tolerance"] == cal["tolerance"] < 0.05
+    # 4 floors: above the ~1.1 a correct run reaches, far below the 30+ of a broken rollback (docs/verify-precision.md),
+    # and under the spread bound that makes the run conclusive
+    assert cal["conclusive"] and cal["tolerance"] <= calibration.CONCLUSIVE_FRACTION * cal["spread"], cal
     page = (trees / "page.html").read_text()
     assert page.count("<svg") >= 4 and "tolerance" in page and "http" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
 
