@@ -8,6 +8,7 @@ the runtime's recording, not the lifting, that makes the output exact.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 
@@ -59,10 +60,64 @@ def verify_lengths(model, run):
     return out, lengths
 
 
+@pytest.fixture
+def recorded(monkeypatch):
+    """The number of cached target forwards ``lossless`` routed through ``runtime.verify_forward`` so far.
+
+    On 5.24+ transformers runs speculative generate() on stateful models itself, so a run can come out
+    token-identical without any recording (when the native rollback happens to be exact there): the
+    count is what says that the runtime recorded the run."""
+    calls = [0]
+    real = rt.verify_forward
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rt, "verify_forward", counting)
+    return lambda: calls[0]
+
+
+@contextlib.contextmanager
+def scripted_candidates(generator_class, script):
+    """Replace the candidates ``generator_class.get_candidates`` proposes by ``script``'s (greedy runs): the
+    draft (a DFlash drafter) still runs, its proposals become right ~65% of the time."""
+    original = generator_class.get_candidates
+
+    def get_candidates(self, input_ids, *args, **kwargs):
+        ids, logits = original(self, input_ids, *args, **kwargs)
+        if ids.shape[1] > input_ids.shape[1]:
+            ids = ids.clone()
+            for position in range(input_ids.shape[1], ids.shape[1]):
+                ids[0, position] = script.token(position)
+        return ids, logits
+
+    generator_class.get_candidates = get_candidates
+    try:
+        yield script
+    finally:
+        generator_class.get_candidates = original
+
+
 # ----------------------------------------------------------------------------- the API's contract
-#: transformers up to 5.23 refuses speculative generate() on a stateful class; 5.24+ runs it (lossy, measured on 5.25)
-REFUSES = getattr(type(gs.target("tiny-qwen3_5")), "_is_stateful", False) and "not supported with stateful" in __import__(
+#: transformers up to 5.23 marks stateful classes (``_is_stateful = True``) and refuses speculative generate() on
+#: them; 5.24+ has neither the flag nor the refusal and runs it (lossy, measured on 5.25)
+CLASS_STATEFUL = getattr(type(gs.target("tiny-qwen3_5")), "_is_stateful", False)
+REFUSES = CLASS_STATEFUL and "not supported with stateful" in __import__(
     "inspect").getsource(__import__("transformers.generation.utils", fromlist=["x"]))
+
+
+def test_the_stateful_flag_is_what_this_release_says_it_is():
+    """The per-release facts the other tests branch on: a release that refuses has the flag on the class, one
+    that runs the modes has no flag at all (nothing for ``lossless`` to shadow)."""
+    import transformers
+
+    source = __import__("inspect").getsource(__import__("transformers.generation.utils", fromlist=["x"]))
+    if REFUSES:
+        assert CLASS_STATEFUL is True and "_is_stateful" in source
+    else:
+        assert not hasattr(type(gs.target("tiny-qwen3_5")), "_is_stateful"), transformers.__version__
+        assert "_is_stateful" not in source and "not supported with stateful" not in source
 
 
 def test_outside_the_context_transformers_behaves_as_before():
@@ -75,8 +130,13 @@ def test_outside_the_context_transformers_behaves_as_before():
     else:
         plain = gs.greedy(model, ids, prompt_lookup_num_tokens=3)
     with lossless(model):
-        assert getattr(model, "_is_stateful", False) is False and getattr(model.forward, "__ddpatch_lossless__", False)
-    assert vars(model).keys() == before.keys() and getattr(model, "_is_stateful", False) is bool(REFUSES)
+        assert getattr(model.forward, "__ddpatch_lossless__", False)
+        if CLASS_STATEFUL:  # the class's refusal is shadowed on this instance
+            assert vars(model)["_is_stateful"] is False and type(model)._is_stateful is True
+        else:  # nothing to shadow: no flag is added
+            assert "_is_stateful" not in vars(model) and not hasattr(model, "_is_stateful")
+    assert vars(model).keys() == before.keys() and "forward" not in vars(model) and "_is_stateful" not in vars(model)
+    assert getattr(model, "_is_stateful", False) is CLASS_STATEFUL
     if REFUSES:
         with pytest.raises(ValueError, match="stateful"):
             model.generate(ids, max_new_tokens=4, prompt_lookup_num_tokens=3)
@@ -87,7 +147,8 @@ def test_outside_the_context_transformers_behaves_as_before():
 def test_other_instances_are_untouched():
     model, other = gs.target("tiny-qwen3_5"), gs.build_target("tiny-qwen3_5", seed=1)
     with lossless(model):
-        assert "forward" not in vars(other) and getattr(other, "_is_stateful", False) is bool(REFUSES)
+        assert "forward" in vars(model) and "forward" not in vars(other) and "_is_stateful" not in vars(other)
+        assert getattr(other, "_is_stateful", False) is CLASS_STATEFUL
         if REFUSES:
             with pytest.raises(ValueError, match="stateful"):
                 other.generate(gs.prompt(0), max_new_tokens=4, prompt_lookup_num_tokens=3)
@@ -182,35 +243,126 @@ def test_prompt_lookup_on_repeated_ngrams_is_lossless(name):
     assert max(lengths[1:]) > 1, "prompt lookup proposed no candidate after the prefill"
 
 
-@pytest.mark.parametrize("name", ("tiny-qwen3_5", "tiny-nemotron-h"))
-def test_early_exit_is_lossless(name):
-    model = gs.target(name)
+@contextlib.contextmanager
+def scripted_early_exit(model, script):
+    """Make the early-exit draft's greedy choice (the model run with fewer layers) ``script``'s proposal, with
+    a confident logit, so that transformers keeps drafting long blocks; the full-depth forwards are untouched."""
+    from patcher.lossless import cache_of
+
+    depth = model.config.get_text_config().num_hidden_layers
+
+    def hook(module, args, kwargs, output):
+        if module.config.get_text_config().num_hidden_layers == depth:
+            return None
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        cache = cache_of(args, kwargs)
+        past = int(cache.get_seq_length()) - ids.shape[1] if cache is not None else 0
+        logits = torch.zeros_like(output.logits[:, -1])
+        logits[:, script.token(past + ids.shape[1])] = 10.0
+        output.logits[:, -1] = logits
+        return output
+
+    handle = model.register_forward_hook(hook, with_kwargs=True)
+    try:
+        yield script
+    finally:
+        handle.remove()
+
+
+def early_exit_run(model, ids, reference, exit_layer, record=True, seed=0):
+    script = gs.Script(ids[0].tolist() + reference, seed=seed, vocab=gs.MASK_TOKEN_ID)
+    with scripted_early_exit(model, script), lossless(model, record=record):
+        return gs.greedy(model, ids, assistant_early_exit=exit_layer), script
+
+
+def test_early_exit_is_lossless_with_partial_acceptances_and_its_control_fails(recorded):
+    """Qwen3.5's early exit runs its first 4 layers (an attention layer among them, as transformers' truncated
+    cache needs) as the draft; scripted, its proposals are right ~65% of the time. On prompt 1 (measured on
+    5.25) the control, with the refusal lifted and nothing recorded, diverges."""
+    model = gs.target("tiny-qwen3_5")
+    ids = gs.prompt(1)
+    reference = gs.greedy(model, ids)
+    got, script = early_exit_run(model, ids, reference, 4, seed=1)
+    assert got == reference, f"diverges at new token {first_divergence(reference, got)}"
+    assert 0 < script.right < script.proposed and any(0 < a < n for a, n in script.blocks), script.blocks
+    assert recorded() > 0, "no cached forward went through the runtime"
+    control, _ = early_exit_run(model, ids, reference, 4, record=False, seed=1)
+    assert control != reference, "the control did not fail: the rollback did not matter here"
+
+
+def test_early_exit_on_nemotron_h_drafts_with_the_whole_model_and_stays_exact(recorded):
+    """NemotronH derives num_hidden_layers from its layer pattern and ignores the lowered value transformers
+    sets for the draft: the "early-exit" draft is the full model, every candidate is the target's own token
+    (nothing to roll back). Exact, and recorded all the same."""
+    model = gs.target("tiny-nemotron-h")
     ids = gs.prompt(0)
     reference = gs.greedy(model, ids)
-    exit_layer = 4 if name == "tiny-qwen3_5" else 2  # transformers needs an attention layer before the exit
     with lossless(model):
-        assert gs.greedy(model, ids, assistant_early_exit=exit_layer) == reference
+        got, lengths = verify_lengths(model, lambda: gs.greedy(model, ids, assistant_early_exit=2))
+    assert got == reference, f"diverges at new token {first_divergence(reference, got)}"
+    assert recorded() > 0 and max(lengths[1:]) > 1, lengths
+
+
+# ----------------------------------------------------------------------------- DFlash
+def dflash_run(model, drafter, ids, reference, record=True, seed=0):
+    from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
+
+    script = gs.Script(ids[0].tolist() + reference, seed=seed, vocab=gs.MASK_TOKEN_ID)
+    with scripted_candidates(DFlashTokenCandidateGenerator, script), lossless(model, record=record):
+        return gs.greedy(model, ids, assistant_model=drafter, speculation_type="dflash"), script
+
+
+def test_dflash_is_lossless_with_partial_acceptances(recorded):
+    """transformers' DFlash mode (``speculation_type="dflash"``, a seeded MuseGlimmer drafter of block 4), its
+    candidates scripted. On 5.25 the native rollback is exact for this block size (the cache keeps one
+    recurrent state per drafted token), so the control below must equal the reference too: the recording
+    is seen in the count; on 5.23 the control is transformers' refusal."""
+    from patcher.verify.generate_mode import dflash_drafter
+
+    model = gs.target("tiny-qwen3_5")
+    drafter = dflash_drafter(model)
+    ids = gs.prompt(0)
+    reference = gs.greedy(model, ids)
+    got, script = dflash_run(model, drafter, ids, reference)
+    assert got == reference, f"diverges at new token {first_divergence(reference, got)}"
+    assert any(0 < a < n for a, n in script.blocks), script.blocks
+    assert recorded() > 0, "no cached forward went through the runtime"
+    if REFUSES:
+        with pytest.raises(ValueError, match="stateful"):
+            model.generate(ids, max_new_tokens=4, assistant_model=drafter, speculation_type="dflash")
+    else:
+        control, _ = dflash_run(model, drafter, ids, reference, record=False)
+        assert control == reference
 
 
 # ----------------------------------------------------------------------------- controls on every stateful preset
 #: presets where lifting the refusal alone is already exact for these runs (measured): LFM2's short conv
-#: keeps only a conv window, and transformers' native crop rolls conv windows back; on 5.25 (native
-#: recurrent-state history) Falcon-H1's two control runs stay exact too.
-NATIVELY_EXACT = {"tiny-lfm2"} | (set() if REFUSES else {"tiny-falcon-h1"})
+#: keeps only a conv window, and transformers' native crop rolls conv windows back. There the recording
+#: is seen in the count of recorded forwards, not in the tokens.
+NATIVELY_EXACT = {"tiny-lfm2"}
+#: the prompt and script seed per preset: on 5.25 (native recurrent-state history) Falcon-H1's seed-0 runs stay
+#: exact without recording, its seed-2 assistant run does not (measured)
+SEEDS = {"tiny-falcon-h1": 2}
 
 
 @pytest.mark.parametrize("name", gs.STATEFUL)
-def test_every_stateful_preset_is_lossless_and_its_control_fails(name):
+def test_every_stateful_preset_is_lossless_and_its_control_fails(name, recorded):
     model = gs.target(name)
-    ids, repeated = gs.prompt(0), gs.repeated_prompt(0)
+    seed = SEEDS.get(name, 0)
+    ids, repeated = gs.prompt(seed), gs.repeated_prompt(seed)
     reference, reference_repeated = gs.greedy(model, ids), gs.greedy(model, repeated)
-    got, _ = scripted_run(model, "assistant", ids, reference)
+    got, _ = scripted_run(model, "assistant", ids, reference, seed=seed)
     assert got == reference, f"assistant diverges at new token {first_divergence(reference, got)}"
+    assert recorded() > 0, "no cached forward of the assistant run went through the runtime"
+    before = recorded()
     with lossless(model):
         assert gs.greedy(model, repeated, prompt_lookup_num_tokens=3) == reference_repeated
-    control, _ = scripted_run(model, "assistant", ids, reference, record=False)
+    assert recorded() > before, "no cached forward of the prompt-lookup run went through the runtime"
+    before = recorded()
+    control, _ = scripted_run(model, "assistant", ids, reference, record=False, seed=seed)
     with lossless(model, record=False):
         control_lookup = gs.greedy(model, repeated, prompt_lookup_num_tokens=3)
+    assert recorded() == before, "the control recorded"
     if name in NATIVELY_EXACT:
         assert control == reference and control_lookup == reference_repeated
     else:
@@ -251,8 +403,20 @@ def test_speculative_sampling_with_an_assistant_follows_the_target():
     With 2 new tokens a rejected first candidate is cut back before the 2nd token is drawn."""
     model, helper = sampling_pair("tiny-qwen3_5")
     ids = gs.prompt(0)
-    verdict = second_token_test(model, ids, sampled_second_tokens(model, ids, 200, assistant_model=helper))
+    calls = []
+    real = rt.verify_forward
+
+    def counting(*args, **kwargs):  # a draw's target forwards, as the runtime recorded them
+        calls.append(kwargs.get("input_ids", args[1] if len(args) > 1 else None).shape[1])
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rt, "verify_forward", counting)
+        verdict = second_token_test(model, ids, sampled_second_tokens(model, ids, 200, assistant_model=helper))
     assert verdict.passed and verdict.dof >= 5, verdict.describe()
+    # every draw's first target forward covers prompt + candidates and was recorded; the draws whose 2nd
+    # token needed a second forward were cut back (a rejected candidate) before it
+    assert len(calls) >= 200 and sum(n > ids.shape[1] for n in calls) >= 200, calls[:10]
 
 
 @pytest.mark.slow
