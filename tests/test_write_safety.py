@@ -303,3 +303,23 @@ def test_provenance_goes_after_shebang_and_cookie_with_the_files_newline():
     assert lines[:2] == text.split("\r\n")[:2] and lines[2].startswith("# ddpatch: recipe qwen3_6-gdn")
     assert "\n" not in out.replace("\r\n", "")
     assert write_provenance(out, {"crop-compat", "tree-commit"}, recipe).count("# ddpatch: recipe") == 1
+
+
+@pytest.mark.parametrize("clock", [
+    [1_765_000_000_000_999_999, 1_765_000_000_001_000_001],  # 2 us apart in one second: the ns mod 1e6 fall
+    [1_765_000_000_500_000_000] * 3,  # a frozen clock: three applies in one microsecond
+])
+def test_journals_sort_in_the_order_the_applies_ran(tmp_path, monkeypatch, clock):
+    """``revert`` undoes the journal that sorts last: it must be the latest apply's, however close
+    two applies come (test_runtime_copy's apply-apply-revert once reverted the first one)."""
+    from patcher.engine import journal
+
+    monkeypatch.setenv("DDPATCH_HOME", str(tmp_path / "home"))
+    root = tmp_path / "tree"
+    root.mkdir()
+    (root / "a.py").write_text("x = 0\n")
+    ticks = iter(clock)
+    monkeypatch.setattr(journal.time, "time_ns", lambda: next(ticks))
+    made = [journal.record(root, {"a.py": f"x = {i}\n"}, "r") for i in range(len(clock))]
+    assert journal.latest(root) == made[-1]
+    assert sorted(made) == made and len(set(made)) == len(made), "one journal per apply, in order"

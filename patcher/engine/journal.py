@@ -51,7 +51,16 @@ def record(root: Path, changes: dict[str, bytes | str | None], recipe: str) -> P
                 "patched_sha256": _sha(new_text.encode("utf-8") if isinstance(new_text, str) else new_text or b""),
             }
         )
-    stamp = time.strftime("%Y%m%dT%H%M%S") + f"-{time.time_ns() % 1_000_000:06d}"
+    # The stamp sorts in the order the applies ran (``latest`` takes the last): the wall-clock second,
+    # then its microseconds, then a counter for two applies in the same microsecond. (The sub-second part
+    # was once the nanoseconds modulo a million, which does not grow within a second: of two applies in one
+    # second, revert then undid either.)
+    now = time.time_ns()
+    second = time.strftime("%Y%m%dT%H%M%S", time.localtime(now // 1_000_000_000))
+    base, n = f"{second}-{now // 1000 % 1_000_000:06d}", 0
+    while any(folder.glob(f"{base}-{n:03d}.*")):
+        n += 1
+    stamp = f"{base}-{n:03d}"
     journal = folder / f"{stamp}.json"
     payload = {"root": str(root.resolve()), "recipe": recipe, "created": stamp, "files": entries}
     atomic_write(journal, json.dumps(payload, indent=1))
