@@ -173,7 +173,8 @@ def _hand_layers_a_causal_mask(draft):
     drafter that builds its masks in its model-level forward does."""
 
     def hook(module, args, kwargs):
-        hidden, context = args[0], args[1]
+        hidden = args[0]
+        context = kwargs["target_hidden"] if "target_hidden" in kwargs else args[1]  # by keyword, as the real DFlash calls
         cache = kwargs.get("past_key_values")
         past = cache.get_seq_length(module.self_attn.layer_idx) if cache is not None else 0
         q, k = hidden.shape[1], past + context.shape[1] + hidden.shape[1]

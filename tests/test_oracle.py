@@ -119,11 +119,11 @@ def decode(fns, kind: str, perturb_call: int | None = None, eps: float = 1e-5, s
     seen = {"calls": 0, "position": None}
 
     def perturb(module, args, kwargs):
-        if kwargs.get("past_key_values") is None:  # a probe of the runtime, not a decoding step
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # the runtime passes `cache=` on 5.24+
+        if cache is None:  # a probe of the runtime, not a decoding step
             return
         seen["calls"] += 1
         if seen["calls"] == perturb_call:
-            cache = kwargs["past_key_values"]
             state = cache.get_recurrent_state(0)
             state.add_(eps * torch.randn(state.shape, generator=torch.Generator().manual_seed(1)))
             seen["position"] = int(kwargs["position_ids"].reshape(-1)[0])

@@ -13,7 +13,7 @@ is refused in one line: nothing can lay it out for the target any more.
 from __future__ import annotations
 
 from .caches import _is_linear_layer
-from .discovery import _cache_of, _model_type, hybrid_linear_modules
+from .discovery import _cache_of, _call_kwargs, _model_type, hybrid_linear_modules
 from .errors import UnsupportedModelError
 
 
@@ -63,7 +63,9 @@ def adopt_cache(model, cache) -> None:
 
 
 def adopt_forward(model, *args, **kwargs):
-    """``model(*args, **kwargs)`` after ``adopt_cache`` on the cache it is given (the target's prefill)."""
+    """``model(*args, **kwargs)`` after ``adopt_cache`` on the cache it is given (the target's prefill);
+    ``past_key_values=`` goes in as ``cache=`` where the model's forward takes that (transformers 5.24+)."""
+    kwargs = _call_kwargs(model, kwargs)
     _, cache = _cache_of(kwargs)
     adopt_cache(model, cache)
     return model(*args, **kwargs)

@@ -108,7 +108,7 @@ def _cache_keyword(module) -> str | None:
 
 def _cache_of(kwargs: dict):
     """``(keyword, cache)`` of a model call: the cache given under any keyword (``past_key_values``
-    up to 5.24, ``cache`` from 5.25), found by what it is; ``(None, None)`` without one."""
+    up to 5.23, ``cache`` from 5.24), found by what it is; ``(None, None)`` without one."""
     for name in ("past_key_values", "cache"):
         value = kwargs.get(name)
         if value is not None and not isinstance(value, (torch.Tensor, bool, int, float, str)):
@@ -117,6 +117,41 @@ def _cache_of(kwargs: dict):
         if _is_cache(value):
             return name, value
     return None, None
+
+
+# class -> whether its forward takes the cache as ``cache=`` (transformers 5.24+; ``past_key_values=`` is deprecated there)
+_TAKES_CACHE: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+
+
+def _takes_cache_keyword(model) -> bool:
+    """Whether ``model``'s class forward has a ``cache`` parameter (a ``Cache`` annotation or none at
+    all): transformers 5.24+ models do, 5.21-5.23 and drafters written with ``past_key_values`` do not."""
+    cls = type(model)
+    try:
+        return _TAKES_CACHE[cls]
+    except (KeyError, TypeError):
+        pass
+    try:
+        parameter = inspect.signature(getattr(cls, "forward", None)).parameters.get("cache")
+    except (TypeError, ValueError):
+        parameter = None
+    found = parameter is not None and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY) and (
+        parameter.annotation is inspect.Parameter.empty or _names_a_cache(parameter.annotation)
+    )
+    try:
+        _TAKES_CACHE[cls] = found
+    except TypeError:
+        pass
+    return found
+
+
+def _call_kwargs(model, kwargs: dict) -> dict:
+    """``kwargs`` with ``past_key_values=`` renamed ``cache=`` where ``model``'s forward takes ``cache``
+    (transformers 5.24+ warns on the old name, 5.40 drops it); unchanged for a forward that takes only
+    ``past_key_values`` (5.21-5.23, a custom drafter) or a call that already names ``cache``."""
+    if "past_key_values" not in kwargs or "cache" in kwargs or not _takes_cache_keyword(model):
+        return kwargs
+    return {("cache" if k == "past_key_values" else k): v for k, v in kwargs.items()}
 
 
 def _is_cache(value) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .caches import _cache_length, _is_linear_layer, _layers, _linear_layer_ids, _linear_count, _set_linear_count, _snapshot
-from .discovery import _cache_of, _keyword_adapted, _model_type, hybrid_linear_modules
+from .discovery import _cache_of, _call_kwargs, _keyword_adapted, _model_type, hybrid_linear_modules
 from .errors import _uncertain
 from .routing import _one_verify, _own_forward
 from .windows import _record_window_past, _windowed_mask_forwards
@@ -27,7 +27,9 @@ def verify_forward(model, *args, **kwargs):
     The record is attached to the cache passed (``past_key_values=`` or ``cache=``);
     ``crop_cache``, ``compact_cache`` or a ``@tree_commit`` function commits it. A 4D
     ``attention_mask`` means a tree verify. Another thread's verify of the same model raises.
+    ``past_key_values=`` reaches a model whose forward takes ``cache=`` (transformers 5.24+) as ``cache=``.
     """
+    kwargs = _call_kwargs(model, kwargs)
     _, cache = _cache_of(kwargs)
     windowed_call = kwargs.pop("_ddpatch_windowed", False)
     with _one_verify(model):

@@ -80,14 +80,16 @@ def two_ways(target, prompt, continuation: list[int]):
     import torch
     from transformers import DynamicCache
 
+    from .context import with_cache
+
     n = len(continuation)
     cont = torch.tensor([continuation], device=prompt.device)
     with torch.inference_mode():
         full = target(torch.cat([prompt, cont], dim=1), use_cache=False).logits[0, prompt.shape[1] - 1 : prompt.shape[1] - 1 + n]
         cache = DynamicCache(config=target.config)
-        rows = [target(prompt, past_key_values=cache, use_cache=True).logits[0, -1]]
+        rows = [target(prompt, **with_cache(target, cache), use_cache=True).logits[0, -1]]
         for i in range(n - 1):
-            rows.append(target(cont[:, i : i + 1], past_key_values=cache, use_cache=True).logits[0, -1])
+            rows.append(target(cont[:, i : i + 1], **with_cache(target, cache), use_cache=True).logits[0, -1])
     return full.float().cpu(), torch.stack(rows).float().cpu()
 
 
