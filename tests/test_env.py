@@ -41,7 +41,7 @@ def test_local_and_patch_suffixes_count_as_their_release():
     assert penv.release("2.13.0+cpu") == (2, 13, 0)
     assert penv.release("5.25") == (5, 25, 0)
     assert penv.tested_range_status("torch", "2.13.0+cu128") == "inside"
-    assert penv.tested_range_status("torch", "2.12.1") == "below"
+    assert penv.tested_range_status("torch", "2.5.1") == "below"
 
 
 def test_a_package_without_a_declared_range_is_untested():
@@ -87,11 +87,22 @@ def test_a_transformers_below_the_range_makes_the_environment_untested(monkeypat
 
 
 def test_a_missing_optional_kernel_keeps_the_environment_tested(monkeypatch):
-    _fake_versions(monkeypatch, transformers="5.24.0", fla=None, **{"causal-conv1d": None, "flash-attn": None})
-    assert penv.environment(with_device=False)["inside_tested_range"] == all(
-        penv.tested_range_status(n, v) == "inside"
-        for n, v in (("python", penv.platform.python_version()), ("torch", penv.installed_version("torch")),
-                     ("accelerate", penv.installed_version("accelerate")), ("libcst", penv.installed_version("libcst"))))
+    monkeypatch.setattr(penv.platform, "python_version", lambda: "3.11.7")
+    _fake_versions(monkeypatch, torch="2.13.0+cpu", transformers="5.24.0", accelerate="1.13.0",
+                   libcst="1.8.6", fla=None, **{"causal-conv1d": None, "flash-attn": None})
+    assert penv.environment(with_device=False)["inside_tested_range"] is True
+    _fake_versions(monkeypatch, torch="2.5.1", transformers="5.24.0", accelerate="1.13.0",
+                   libcst="1.8.6", fla=None, **{"causal-conv1d": None, "flash-attn": None})
+    assert penv.environment(with_device=False)["inside_tested_range"] is False  # torch below 2.6
+
+
+def test_the_tested_ranges_are_the_measured_ones():
+    """Literal expectations (docs/transformers.md measured each): Python 3.11-3.13, torch 2.6-2.15."""
+    for name, version, status in (("python", "3.10.14", "below"), ("python", "3.11.0", "inside"),
+                                  ("python", "3.13.1", "inside"), ("python", "3.14.0", "above"),
+                                  ("torch", "2.4.0", "below"), ("torch", "2.6.0", "inside"),
+                                  ("torch", "2.15.0", "inside"), ("torch", "2.16.0", "above")):
+        assert penv.tested_range_status(name, version) == status, (name, version)
 
 
 def test_the_device_is_named():
