@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -100,22 +101,105 @@ def test_a_dead_warm_verifier_falls_back_to_a_fresh_process(trees, no_session_wa
     assert outcome.passed and runner.warm_stats["fresh"] == 1 and "unreachable" in runner.warm_stats["refused"][0]
 
 
-def test_a_timeout_kills_the_forked_child(trees, counts, tmp_path):
+def test_a_timeout_kills_the_forked_child(trees, counts, tmp_path, monkeypatch):
     slow = _patched(tmp_path / "slow")
     (slow / "ddtree.py").write_text("import time; time.sleep(600)\n" + (slow / "ddtree.py").read_text())
+    forked = []  # the pids this test's verifies were answered: only those are its children (another
+    # xdist worker's verifies run in ddpatch-verify- folders too, from its own warm verifier)
+    spawn = runner._ForkedChild.__init__
+
+    def spy(self, pid, read_fd):
+        forked.append(pid)
+        spawn(self, pid, read_fd)
+
+    monkeypatch.setattr(runner._ForkedChild, "__init__", spy)
     with runner.warm_verifier():
         runner.run_verify(trees["full"], **SETTINGS)  # the imports are done: the timeout is the child's alone
         with pytest.raises(runner.VerifyError, match="timed out"):
             runner.run_verify(slow, timeout=3, **SETTINGS)
         deadline = time.monotonic() + 5  # SIGKILL is sent; give the kernel a moment to take it
-        while (children := _verify_children()) and time.monotonic() < deadline:
+        while (alive := [pid for pid in forked if _group_alive(pid)]) and time.monotonic() < deadline:
             time.sleep(0.05)
-    assert runner.warm_stats["forked"] == 2
-    assert not children, "the forked child outlived its timeout"
+    assert runner.warm_stats["forked"] == 2 and len(forked) == 2
+    assert not alive, f"the forked child outlived its timeout: {[_describe(pid) for pid in alive]}"
 
 
-def _verify_children() -> list[str]:
-    return [pid for pid in os.listdir("/proc") if pid.isdigit() and "worker.py" in _cmdline(pid) and _in_a_verify_folder(pid)]
+def test_the_answered_child_already_leads_its_group(tmp_path, monkeypatch):
+    """The warm verifier answers a pid only once that pid leads its own process group, however
+    late the child runs after the fork: a caller's timeout kills the group, and a kill sent
+    before the child made it would miss it (the child ran on, past every timeout)."""
+    import json
+    import socket
+    from types import SimpleNamespace
+
+    from patcher.verify import warm
+
+    server_pid = os.getpid()
+
+    class SlowChildOs:
+        """``os``, with a child that is scheduled late after the fork: it sets its group 1 s late."""
+
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        def _late(self, call, *args):
+            if os.getpid() != server_pid:
+                time.sleep(1.0)
+            return call(*args)
+
+        def setsid(self):
+            return self._late(os.setsid)
+
+        def setpgid(self, pid, pgid):
+            return self._late(os.setpgid, pid, pgid)
+
+    monkeypatch.setattr(warm, "os", SlowChildOs())
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    events_r, events_w = os.pipe()
+    pid = None
+    try:
+        request = {"cfg": {}, "env": {}, "cwd": str(tmp_path), "worker": "w", "executable": sys.executable}
+        socket.send_fds(ours, [json.dumps(request).encode()], [events_w])
+        os.close(events_w)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
+            warm._one_request(theirs, listener, {}, lambda cfg, blocker: time.sleep(60), SimpleNamespace(attempts=[]), "w")
+        pid = json.loads(ours.recv(1 << 16))["pid"]
+        assert os.getpgid(pid) == pid, "the answered child does not lead a process group yet: a timeout's killpg misses it"
+        os.killpg(pid, signal.SIGKILL)
+        assert os.waitpid(pid, 0)[0] == pid
+        pid = None
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(events_r)
+        ours.close()
+        theirs.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` is alive (a zombie is not: it has exited)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # state, ppid, pgrp
+            return True
+    return False
+
+
+def _describe(pid: int) -> str:
+    return f"{pid}: {_cmdline(str(pid))!r} in {_cwd(str(pid))}"
+
+
+def _cwd(pid: str) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return "?"
 
 
 def _cmdline(pid: str) -> str:
@@ -123,10 +207,3 @@ def _cmdline(pid: str) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return ""
-
-
-def _in_a_verify_folder(pid: str) -> bool:
-    try:
-        return "ddpatch-verify-" in os.readlink(f"/proc/{pid}/cwd")
-    except OSError:
-        return False

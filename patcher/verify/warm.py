@@ -119,16 +119,31 @@ def _one_request(conn, listener, started_env: dict, answer, blocker, worker: str
         conn.close()
         _child(request, fds[0], answer, blocker)  # never returns
     os.close(fds[0])
+    # The child leads its own process group before its pid is answered: the caller's timeout
+    # kills that group (os.killpg(pid)), and a group the child had not made yet (it had not
+    # been scheduled since the fork) would be no group at all: the kill would miss it and the
+    # child would run on. Both sides set it (the classic fork/setpgid race), whoever runs first.
+    _own_group(pid)
     try:
         conn.sendall(json.dumps({"pid": pid}).encode())
     except OSError:  # the caller gave up waiting (its timeout): nobody reads this child
-        os.kill(pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _own_group(pid: int) -> None:
+    """Make ``pid`` (0: this process) the leader of a process group of its own."""
+    try:
+        os.setpgid(pid, 0)
+    except PermissionError:  # EPERM: it already leads one (the child set it first)
+        pass
+    except ProcessLookupError:  # it already exited (and was reaped): there is nothing left to kill
+        pass
 
 
 def _child(request: dict, out_fd: int, answer, blocker) -> None:
     code = 0
     try:
-        os.setsid()  # its own process group: a timeout kills it and whatever it started
+        _own_group(0)  # its own process group (the server sets it too): a timeout kills it and whatever it started
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the tree's own subprocesses must be waitable
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         devnull = os.open(os.devnull, os.O_RDONLY)
