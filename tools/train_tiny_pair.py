@@ -43,8 +43,8 @@ LAYERS = (["linear_attention"] * 3 + ["full_attention"]) * 2
 BLOCK = 8
 DRAFT_LAYERS = 3
 TARGET_LAYER_IDS = [1, 4, 6]  # hidden_states[i + 1], DFlash's convention
-SEQ = 256
-PROMPT = 64  # distillation: a corpus prompt, then the target's greedy continuation
+SEQ = 128
+PROMPT = 32  # distillation: a corpus prompt, then the target's greedy continuation
 
 
 def stdlib_files(seed: int) -> tuple[list[Path], list[Path]]:
@@ -118,7 +118,7 @@ def train_target(stream, steps: int, batch: int, seed: int, log):
     losses = []
     for step in range(steps):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, 3e-3, min(20, max(1, steps // 10)))
+            group["lr"] = lr_at(step, steps, 3e-3, min(10, max(1, steps // 10)))
         x = windows(stream, batch, SEQ, gen)
         loss = model(x, labels=x).loss
         loss.backward()
@@ -154,8 +154,8 @@ def distill_set(model, stream, count: int, seed: int, log):
 
     gen = torch.Generator().manual_seed(seed + 2)
     seqs, feats = [], []
-    for start in range(0, count, 64):
-        prompts = windows(stream, min(64, count - start), PROMPT, gen)
+    for start in range(0, count, 128):
+        prompts = windows(stream, min(128, count - start), PROMPT, gen)
         seq = greedy_batch(model, prompts, SEQ - PROMPT)
         with torch.no_grad():
             hs = model(seq, output_hidden_states=True, use_cache=False).hidden_states
@@ -265,11 +265,16 @@ def held_out_prompts(files: list[Path], tok, n: int, length: int, seed: int) -> 
     return prompts
 
 
+def tail(xs: list[float]) -> float:
+    """The mean of the last 20 values (a training loss)."""
+    return round(sum(xs[-20:]) / max(1, len(xs[-20:])), 4)
+
+
 def train(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    t0 = time.time()
+    t0, c0 = time.time(), time.process_time()
     out = Path(args.out)
     (out / "target").mkdir(parents=True, exist_ok=True)
     (out / "draft").mkdir(parents=True, exist_ok=True)
@@ -284,44 +289,60 @@ def train(args) -> None:
             break
         texts.append(read(path))
         size += len(texts[-1])
-    tok = train_tokenizer(texts, out / "target")
+    if args.reuse_target:  # the target of an earlier run of the same command: only the drafter is trained
+        from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+        tok = PreTrainedTokenizerFast.from_pretrained(out / "target")
+    else:
+        tok = train_tokenizer(texts, out / "target")
     mask_id = tok.convert_tokens_to_ids(MASK)
     stream = torch.tensor([t for text in texts for t in tok(text).input_ids + [tok.eos_token_id]], dtype=torch.long)
     log(f"tokenizer: vocab {len(tok)}, corpus {len(texts)} files, {size / 1e6:.1f} MB, {stream.numel()} tokens")
 
-    target, t_losses = train_target(stream, args.steps, args.batch, args.seed, log)
-    target.save_pretrained(out / "target")
-    t_time = time.time() - t0
+    meta_path = out / "metadata.json"
+    if args.reuse_target:
+        target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32, local_files_only=True).eval()
+        previous = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        target_meta = previous.get("target", {"steps": args.steps})
+        t_time, t_cpu = previous.get("target_seconds"), previous.get("target_cpu_seconds")
+    else:
+        target, t_losses = train_target(stream, args.steps, args.batch, args.seed, log)
+        target.save_pretrained(out / "target")
+        t_time, t_cpu = round(time.time() - t0, 1), round(time.process_time() - c0, 1)
+        target_meta = {"class": "Qwen3_5ForCausalLM", "layer_types": LAYERS, "hidden": HIDDEN, "steps": args.steps,
+                       "batch": args.batch, "seq": SEQ, "tokens_seen": args.steps * args.batch * SEQ,
+                       "final_loss": tail(t_losses)}
     held_stream = torch.tensor([t for p in held[:10] for t in tok(read(p)).input_ids + [0]], dtype=torch.long)
     with torch.no_grad():
         x = windows(held_stream, 8, SEQ, torch.Generator().manual_seed(9))
-        held_loss = float(target(x, labels=x).loss)
-    log(f"target saved; held-out loss {held_loss:.3f}")
+        target_meta["held_out_loss"] = round(float(target(x, labels=x).loss), 4)
+    meta_path.write_text(json.dumps({"target": target_meta, "target_seconds": t_time, "target_cpu_seconds": t_cpu}, indent=1) + "\n")
+    log(f"target saved; held-out loss {target_meta['held_out_loss']:.3f}")
 
     seqs, feats = distill_set(target, stream, args.distill, args.seed, log)
-    draft_steps = args.draft_steps if args.draft_steps is not None else (args.steps if args.steps < 100 else 800)
+    draft_steps = args.draft_steps if args.draft_steps is not None else (args.steps if args.steps < 20 else 600)
     draft, d_losses, d_accs = train_draft(target, seqs, feats, draft_steps, args.draft_batch, args.anchors, args.gamma,
                                           mask_id, args.seed, log)
     draft.save_pretrained(out / "draft")
-    tail = lambda xs: round(sum(xs[-20:]) / max(1, len(xs[-20:])), 4)  # noqa: E731
+    tok.save_pretrained(out / "draft")  # a checkpoint-shaped folder: config, weights, tokenizer
     meta = {
         "corpus": f"the Python {sys.version.split()[0]} standard library sources ({len(texts)} files, "
                   f"{size / 1e6:.1f} MB; tests and GUI packages left out; 1 in 20 files held out)",
         "seed": args.seed, "torch_threads": args.threads,
         "tokenizer": {"kind": "byte-level BPE (tokenizers)", "vocab": len(tok), "eos": EOS, "mask": MASK, "mask_id": mask_id},
-        "target": {"class": "Qwen3_5ForCausalLM", "layer_types": LAYERS, "hidden": HIDDEN, "steps": args.steps,
-                   "batch": args.batch, "seq": SEQ, "tokens_seen": args.steps * args.batch * SEQ,
-                   "final_loss": tail(t_losses), "held_out_loss": round(held_loss, 4)},
+        "target": target_meta,
         "draft": {"class": "DFlashDraftModel", "block_size": BLOCK, "layers": DRAFT_LAYERS, "target_layer_ids": TARGET_LAYER_IDS,
                   "steps": draft_steps, "batch": args.draft_batch, "anchors_per_sequence": args.anchors,
                   "loss_decay_gamma": args.gamma, "distillation_sequences": args.distill,
                   "distillation": f"{PROMPT}-token corpus prompts, the target's greedy continuation to {SEQ} tokens",
                   "final_loss": tail(d_losses), "final_top1": tail(d_accs)},
         "held_out_prompts": held_out_prompts(held, tok, 8, 48, args.seed),
-        "training_seconds": round(time.time() - t0, 1), "target_seconds": round(t_time, 1),
+        "target_seconds": t_time, "target_cpu_seconds": t_cpu,
+        "training_seconds": None if args.reuse_target else round(time.time() - t0, 1),
+        "training_cpu_seconds": None if args.reuse_target else round(time.process_time() - c0, 1),
         "command": "python tools/train_tiny_pair.py " + " ".join(sys.argv[1:]),
     }
-    (out / "metadata.json").write_text(json.dumps(meta, indent=1) + "\n")
+    meta_path.write_text(json.dumps(meta, indent=1) + "\n")
     log(f"done in {time.time() - t0:.0f} s -> {out}")
 
 
@@ -350,7 +371,7 @@ def measure(args) -> dict:
         kw = dict(model=draft, target=target, input_ids=ids, mask_token_id=draft.mask_token_id, max_new_tokens=args.new,
                   block_size=args.block, stop_token_ids=[], temperature=0.0)
         if budget is None:
-            return dflash_generate(**kw, return_stats=True)
+            return dflash_generate(**kw)
         return ddtree_generate(**kw, tree_budget=budget)
 
     figures = {}
@@ -373,14 +394,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=150, help="target steps (also the drafter's when below 100)")
+    ap.add_argument("--steps", type=int, default=200, help="target steps (also the drafter's when below 20: a smoke run)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--corpus-mb", type=float, default=6.0)
-    ap.add_argument("--distill", type=int, default=384, help="distillation sequences")
+    ap.add_argument("--distill", type=int, default=256, help="distillation sequences")
     ap.add_argument("--draft-steps", type=int, default=None)
     ap.add_argument("--draft-batch", type=int, default=16)
     ap.add_argument("--anchors", type=int, default=16, help="blocks per sequence")
     ap.add_argument("--gamma", type=float, default=4.0, help="loss decay exp(-(k-1)/gamma)")
+    ap.add_argument("--reuse-target", action="store_true", help="keep --out's target (and tokenizer): train the drafter only")
     ap.add_argument("--measure", metavar="TREE", default=None, help="a patched DDTree tree: measure acceptance instead of training")
     ap.add_argument("--block", type=int, default=BLOCK)
     ap.add_argument("--new", type=int, default=64, help="--measure: new tokens per prompt")

@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .trained import FOLDER_PRESETS, load_folder_target
+
 VOCAB = 64
 HIDDEN = 64
 MASK_TOKEN_ID = VOCAB - 1
@@ -363,6 +365,8 @@ class Preset:
     hybrid: bool = True  # has state a crop cannot roll back: the code-shape-only control must fail
     #: Why ddpatch must refuse this model (a word its one-line refusal contains); None: served exactly.
     refusal: str | None = None
+    #: (target, draft) folders of a trained pair: verified through ``--target``/``--draft`` (trained.py), unscripted.
+    folders: tuple | None = None
 
 
 PRESETS: dict[str, Preset] = {
@@ -392,6 +396,9 @@ PRESETS: dict[str, Preset] = {
                "states a DFlash draft cannot read (refused)", _qwen4_exp, refusal="hyper-connection"),
         Preset("tiny-glm5-next", "Glm5NextForConditionalGeneration: ignores a 4D mask, 4D hyper-connection hidden "
                "states (refused)", _glm5_next, refusal="hyper-connection"),
+        Preset("trained-qwen3_5", "trained pair: Qwen3_5ForCausalLM, 8 layers (6 Gated DeltaNet + 2 full attention), "
+               "and its DFlash drafter (block 8), from patcher/data/trained_pair; not scripted",
+               lambda: load_folder_target("trained-qwen3_5"), folders=FOLDER_PRESETS["trained-qwen3_5"]),
     )
 }
 
@@ -407,6 +414,8 @@ def build_target(name: str, seed: int = 0, dtype: str = "float32", default_init:
         preset = PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
+    if preset.folders:  # trained weights: nothing is redrawn
+        return preset.build().to(getattr(torch, dtype)).eval()
     torch.manual_seed(seed)
     model = preset.build()
     if not default_init:

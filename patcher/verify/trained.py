@@ -1,0 +1,56 @@
+"""The trained tiny pair shipped with ddpatch (``patcher/data/trained_pair``, made by
+``tools/train_tiny_pair.py``): a ``Qwen3_5ForCausalLM`` hybrid trained on the Python standard library
+and a ``DFlashDraftModel`` (block 8) trained on its features.
+
+Unlike the random presets, ``--preset trained-qwen3_5`` does not script the draft: it is the same
+verify as ``--target DIR --draft DIR`` on the two folders (``folder_preset_options`` turns the preset
+into those options before the child starts), so the path a user takes with a real checkpoint is the
+path tested, and acceptance comes from the real drafter. This module imports nothing of ``patcher``
+(the verifier's child imports it through ``presets``) and torch only inside a function.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent.parent / "data" / "trained_pair"
+
+#: preset name -> (target folder, draft folder)
+FOLDER_PRESETS = {"trained-qwen3_5": (DATA / "target", DATA / "draft")}
+
+#: What a folder preset runs with unless the caller says otherwise: float32 (the oracle is conclusive
+#: there) and the block size the drafter was trained at.
+FOLDER_DEFAULTS = {"dtype": "float32", "block_size": 8}
+
+
+def load_folder_target(name: str):
+    """The preset's target as ``--target`` loads it: ``from_pretrained`` on its folder, offline, float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    target, _ = FOLDER_PRESETS[name]
+    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, local_files_only=True).eval()
+
+
+def folder_preset_options(options: dict) -> dict:
+    """Verify options with a folder preset replaced by its ``target``/``draft`` folders (and its defaults).
+
+    A folder preset runs alone: with another preset or with ``--target``/``--draft`` it is a usage error
+    (``ValueError``)."""
+    names = list(options.get("presets") or ())
+    chosen = [n for n in names if n in FOLDER_PRESETS]
+    if not chosen:
+        return options
+    if len(names) > 1:
+        raise ValueError(f"--preset {chosen[0]} is a pair of model folders: verify it alone, not with {', '.join(n for n in names if n != chosen[0])}")
+    if options.get("target") or options.get("draft"):
+        raise ValueError(f"--preset {chosen[0]} brings its own --target and --draft folders: pass either, not both")
+    target, draft = FOLDER_PRESETS[chosen[0]]
+    for folder in (target, draft):
+        if not (folder / "model.safetensors").is_file():
+            raise ValueError(f"--preset {chosen[0]}: {folder} holds no model.safetensors (run tools/train_tiny_pair.py)")
+    out = {**options, "presets": None, "target": str(target), "draft": str(draft), "scripted_draft": None}
+    for key, value in FOLDER_DEFAULTS.items():
+        if out.get(key) is None:
+            out[key] = value
+    return out
