@@ -91,6 +91,25 @@ GROUP_TESTS = {
         "tests/test_dataflow.py",
         "tests/test_drift.py",
     ],
+    "lossless": [  # the cheap recorded-count checks first: -x stops at the first failure
+        "tests/test_lossless.py::test_every_stateful_preset_is_lossless_and_its_control_fails[tiny-lfm2]",
+        "tests/test_lossless.py::test_early_exit_on_nemotron_h_drafts_with_the_whole_model_and_stays_exact",
+        "tests/test_lossless.py::test_every_stateful_preset_is_lossless_and_its_control_fails[tiny-falcon-h1]",
+        "tests/test_lossless.py::test_early_exit_is_lossless_with_partial_acceptances_and_its_control_fails",
+        "tests/test_lossless.py::test_dflash_is_lossless_with_partial_acceptances",
+        "tests/test_lossless.py::test_speculative_sampling_with_an_assistant_follows_the_target",
+    ],
+    "calibration": [
+        "tests/test_calibration.py::test_the_floor_is_measured_and_the_tolerance_is_a_fixed_multiple_of_it",
+    ],
+    "config": [
+        "tests/test_config.py::test_cli_flags_override_the_file_and_isolated_ignores_it",
+    ],
+    "runtime_safety": [
+        "tests/test_runtime_safety.py::test_the_tf32_stand_in_rounds_every_matmul_form",
+        "tests/test_runtime_safety.py::test_the_cumulative_decay_is_exact_when_matmuls_run_in_tf32",
+        "tests/test_runtime_safety.py::test_a_round_makes_a_fixed_number_of_host_syncs_whatever_the_layers",
+    ],
 }
 
 #: ``-k`` expressions that narrow a group's files to the tests about its code
@@ -254,6 +273,42 @@ MUTANTS = [
            "            if not results:\n                return LENGTH, f\"`{name}` (a parameter: 4.x code passes lengths)\"\n",
            "            if True:\n                return LENGTH, f\"`{name}` (a parameter: 4.x code passes lengths)\"\n",
            "a helper's parameter is always a length, whatever its callers pass"),
+    # ------------------------------------------------------------------ patcher.lossless (generate() on stateful models)
+    Mutant("L1", "lossless", "patcher/lossless.py", "        self.record = record\n", "        self.record = False\n",
+           "lossless() records nothing (on 5.24+, where nothing is refused, it then does nothing)"),
+    # ------------------------------------------------------------------ the verifier's noise floor
+    Mutant("K1", "calibration", "patcher/verify/calibration.py",
+           "        measured = max(measured, float((a - b).abs().max()))\n", "        measured = max(measured, 0.0)\n",
+           "the noise floor is no longer measured (the ulp alone)"),
+    Mutant("K2", "calibration", "patcher/verify/calibration.py", "MULTIPLE = 4.0\n", "MULTIPLE = 16.0\n",
+           "the tolerance is 16 floors (still conclusive on the tiny model, which allows up to ~19.7)"),
+    # ------------------------------------------------------------------ config files
+    Mutant("F1", "config", "patcher/config.py", "    if isolated:\n        return Config()\n",
+           "    if isolated:\n        raise ConfigError(\"--isolated: no config file to read\")\n",
+           "--isolated raises instead of reading no file"),
+    Mutant("F2", "config", "patcher/config.py", "    if isolated:\n        return Config()\n",
+           "    if False:\n        return Config()\n", "--isolated is ignored: the nearest file is read"),
+    # ------------------------------------------------------------------ runtime safety (issue 21: TF32, host syncs)
+    Mutant("S1", "runtime_safety", RUNTIME, "    G = (gl.unsqueeze(-2) * anc.to(gl.dtype)).sum(-1)  # [B, H, N]\n",
+           "    G = torch.matmul(gl, anc.to(gl.dtype).transpose(-1, -2))  # [B, H, N]\n",
+           "the cumulative decay through torch.matmul (TF32 when a script turns it on)"),
+    Mutant("S2", "runtime_safety", RUNTIME, "    G = (gl.unsqueeze(-2) * anc.to(gl.dtype)).sum(-1)  # [B, H, N]\n",
+           "    G = torch.einsum(\"bhj,ij->bhi\", gl, anc.to(gl.dtype))  # [B, H, N]\n",
+           "the cumulative decay through torch.einsum"),
+    Mutant("S3", "runtime_safety", RUNTIME, "    G = (gl.unsqueeze(-2) * anc.to(gl.dtype)).sum(-1)  # [B, H, N]\n",
+           "    G = torch.bmm(gl.reshape(-1, 1, gl.shape[-1]), anc.to(gl.dtype).T.expand(gl.shape[0] * gl.shape[1], -1, -1)"
+           ").reshape(gl.shape)  # [B, H, N]\n",
+           "the cumulative decay through torch.bmm"),
+    Mutant("S4", "runtime_safety", RUNTIME, "        index = indices.get(tensor.device)\n",
+           "        if torch.equal(tensor[..., :0, :], tensor[..., :0, :]):  # a host sync per K/V tensor\n"
+           "            pass\n        index = indices.get(tensor.device)\n",
+           "a host sync per attention layer's K/V tensor through torch.equal"),
+    Mutant("S5", "runtime_safety", RUNTIME, "        index = indices.get(tensor.device)\n",
+           "        if tensor.cpu().numel() < 0:  # a copy to the host per K/V tensor\n"
+           "            pass\n        index = indices.get(tensor.device)\n",
+           "a copy to the host per attention layer's K/V tensor through .cpu()"),
+    Mutant("S6", "runtime_safety", RUNTIME, "        index = indices.get(tensor.device)\n",
+           "        index = None\n", "the compaction index is built again for each K/V tensor (a host-to-device copy each)"),
 ]
 
 
