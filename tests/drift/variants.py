@@ -55,6 +55,9 @@ class Variant:
     expected: object = LOSSLESS  # LOSSLESS, or the exact tuple of NoMatch sites
     statuses: dict[str, str] = field(default_factory=dict)  # step id -> required status (after apply)
     summary: str = ""
+    #: The first transformers release the unpatched variant runs on (None: every release in the range):
+    #: code written with ``cache=`` needs 5.24+, where model forwards take that keyword.
+    min_transformers: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.expected, NoMatch):
@@ -1044,3 +1047,45 @@ _ISSUE22 = [
 ]
 VARIANTS.extend(_ISSUE22)
 BY_NAME.update({v.name: v for v in _ISSUE22})
+
+
+# ---------------------------------------------------------------- code written for transformers 5.24+: the cache as `cache=`
+
+
+def build_cache_keyword_dflash(root: Path) -> None:
+    # the target gets its cache under 5.24's keyword (past_key_values= is deprecated there, removed in 5.40)
+    t.edit(root, FL, ("past_key_values=target_cache,", "cache=target_cache,", 2))
+
+
+def claims_cache_keyword_dflash(root: Path, original: Path) -> None:
+    text = _read(root, FL)
+    assert text.count("cache=target_cache,") == 2 and "past_key_values=target_cache" not in text
+    assert "past_key_values=draft_cache," in text, "the drafter (our own module) keeps its keyword"
+
+
+def build_cache_keyword_ddtree(root: Path) -> None:
+    for rel in (TREE, DD):
+        t.edit(root, rel, ("past_key_values=past_key_values_target,", "cache=past_key_values_target,", 2))
+
+
+def claims_cache_keyword_ddtree(root: Path, original: Path) -> None:
+    for rel in (TREE, DD):
+        text = _read(root, rel)
+        assert text.count("cache=past_key_values_target,") == 2 and "past_key_values=past_key_values_target" not in text
+
+
+_CACHE_KEYWORD = [
+    Variant(
+        "cache-keyword", "5.24-native", "dflash", build_cache_keyword_dflash, claims_cache_keyword_dflash,
+        statuses={"target-cache-config": "applied", "verify-forward": "applied"}, min_transformers="5.24",
+        summary="the target gets its cache as `cache=target_cache` (transformers 5.24+'s keyword), the drafter as before",
+    ),
+    Variant(
+        "cache-keyword-ddtree", "5.24-native", "ddtree", build_cache_keyword_ddtree, claims_cache_keyword_ddtree,
+        statuses={"target-cache-config": "applied", "verify-forward": "applied", "tree-commit": "applied"},
+        min_transformers="5.24",
+        summary="the same in both DDTree decoders: `target(..., cache=past_key_values_target, ...)`",
+    ),
+]
+VARIANTS.extend(_CACHE_KEYWORD)
+BY_NAME.update({v.name: v for v in _CACHE_KEYWORD})

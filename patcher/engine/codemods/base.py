@@ -285,6 +285,24 @@ def keyword(call: cst.Call, name: str) -> cst.Arg | None:
     return None
 
 
+#: The keywords a transformers model call takes its cache under: ``past_key_values=`` (every 5.x release; deprecated
+#: from 5.24, removal announced for 5.40) and ``cache=`` (5.24+, what code written for those releases passes).
+CACHE_KEYWORDS = ("past_key_values", "cache")
+
+
+def cache_keyword(call: cst.Call) -> cst.Arg | None:
+    """The argument a model call passes its cache in, under either keyword; ``cache=`` counts only when its value
+    could be a cache (a name, attribute, subscript or call), not a literal such as ``cache=True``."""
+    arg = keyword(call, "past_key_values")
+    if arg is not None:
+        return arg
+    arg = keyword(call, "cache")
+    could_be = isinstance(arg.value, (cst.Name, cst.Attribute, cst.Subscript, cst.Call)) if arg is not None else False
+    if could_be and not (isinstance(arg.value, cst.Name) and arg.value.value in ("None", "True", "False")):
+        return arg
+    return None
+
+
 def runtime_call(step: Step, function: str, args: Sequence[cst.Arg]) -> cst.Call:
     return cst.Call(func=cst.Attribute(value=step.runtime(), attr=cst.Name(function)), args=list(args))
 

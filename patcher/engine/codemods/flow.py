@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Iterator
 
 import libcst as cst
 
-from .base import RUNTIME_MODULE, dotted, keyword
+from .base import CACHE_KEYWORDS, RUNTIME_MODULE, cache_keyword, dotted, keyword
 
 TARGET = "target"
 DRAFTER = "drafter"
@@ -208,7 +208,7 @@ class _Collect(cst.CSTVisitor):
         drafts = keyword(node, "target_hidden") is not None
         if drafts:
             fn.drafter_calls.append(callee)
-        cache = keyword(node, "past_key_values")
+        cache = cache_keyword(node)
         if cache is not None or wrapper or drafts:
             fn.model_calls.append(ModelCall(callee, node, cache.value if cache else None, in_loop, wrapper))
 
@@ -382,7 +382,7 @@ class ModuleFlow:
             expr.visit(_V())
             return bool(found)
 
-        return any(reads(arg.value, 6, set()) for arg in mc.call.args if arg.keyword is None or arg.keyword.value != "past_key_values")
+        return any(reads(arg.value, 6, set()) for arg in mc.call.args if arg.keyword is None or arg.keyword.value not in CACHE_KEYWORDS)
 
     def _across(self, fn: Fn) -> bool:
         changed = False
