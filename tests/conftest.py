@@ -36,6 +36,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
     torch.set_num_threads(1)
 
+pytest_plugins = ["deprecation_guard"]  # no past_key_values FutureWarning from ddpatch's own code (5.24+)
+
 settings.register_profile(
     "ci",
     derandomize=True,  # a fixed seed per test: the same examples on every run
