@@ -165,3 +165,35 @@ def test_a_target_without_routers_has_no_router_tolerance_and_a_plain_reference(
     forced = oracle.reference_logits(target, final)
     assert getattr(forced, "routing", None) is None and all(not c["routes"] for c in recorder.calls)
     assert oracle.judge_logits(recorder.calls, final, forced, prompt.shape[1], cal.tolerance).routing is None
+
+
+def _forced(rows: list[int], vocab: int = 12, prompt_len: int = 4):
+    """Teacher-forced logits whose argmax at new token i is ``rows[i]`` (by 1.0; ties nowhere)."""
+    forced = torch.zeros(prompt_len + len(rows), vocab)
+    for i, token in enumerate(rows):
+        forced[prompt_len - 1 + i, token] = 1.0
+    return forced
+
+
+@pytest.mark.parametrize("flip_position,kind", [(4, "routing"), (3, "routing"), (5, "loss"), (None, "loss")])
+def test_a_divergence_after_a_followed_routing_flip_is_judged_on_the_decodes_experts(flip_position, kind):
+    """Greedy (other experts from new token 1 on) emitted 7 at new token 1, the decode 8, which is the argmax of the
+    reference that follows the decode's experts: a flip at position 4 (decides new token 1) or earlier explains it; a
+    flip after it, or none, does not (8 lies 1.0 below 7 in those logits: a loss)."""
+    from patcher.verify import checks, neartie
+
+    reference, new = [3, 7, 9, 4], [3, 8, 9, 4]
+    forced = _forced(new)
+    if flip_position is not None:
+        forced.routing = routers.Flips(0.01, followed=[{"position": flip_position, "router": GATE, "decoder": [0, 1],
+                                                        "reference": [0, 2], "delta": 0.0}])
+    else:
+        forced[4, 7] = 2.0  # without a flip the greedy token is the plain reference's argmax there
+    verdict = neartie.judge_ties(reference, new, forced, 4, 0.02, max_new_tokens=4)
+    assert verdict.kind == kind, verdict.describe()
+    run = {"prompt": 0, "verdict": oracle.compare(reference, new).as_dict(), "ties": verdict.as_dict(),
+           "ties_description": verdict.describe()}
+    assert checks.lossless_check("dflash", [run])["passed"] is (kind == "routing")
+    if kind == "routing":
+        assert verdict.flip_at == flip_position - 3 and "after a routing flip at new token" in verdict.describe()
+        assert "routing flips" in checks.lossless_check("dflash", [run])["evidence"]
