@@ -197,3 +197,32 @@ def test_a_divergence_after_a_followed_routing_flip_is_judged_on_the_decodes_exp
     if kind == "routing":
         assert verdict.flip_at == flip_position - 3 and "after a routing flip at new token" in verdict.describe()
         assert "routing flips" in checks.lossless_check("dflash", [run])["evidence"]
+
+
+def test_the_router_floor_is_measured_and_the_router_tolerance_is_a_fixed_multiple_of_it():
+    """GraniteMoeHybrid in bf16: the routers' floor is the largest |Δ router logits| between one multi-token forward
+    and token-by-token decoding with a cache, recomputed here; it lies above one ulp of the router logits (so it is
+    measured, not the ulp), and the router tolerance is 4 floors."""
+    from transformers import DynamicCache
+
+    target = build_target("tiny-granitemoehybrid").to(torch.bfloat16)
+    prompt = models.random_prompts(1, 8, 0, 60)[0]
+    reference = models.greedy(target, prompt, 12)
+    cal = calibration.calibrate(target, [prompt], [reference])
+    sequence = prompt[0].tolist() + reference
+    with routers.Trace(target) as trace, torch.inference_mode():
+        target(torch.tensor([sequence]), use_cache=False)
+        whole = {name: calls[-1][0].float() for name, calls in trace.take().items()}
+        cache = DynamicCache(config=target.config)
+        steps = {name: [] for name in whole}
+        for start, end in [(0, prompt.shape[1])] + [(i, i + 1) for i in range(prompt.shape[1], len(sequence) - 1)]:
+            target(torch.tensor([sequence[start:end]]), past_key_values=cache, use_cache=True)
+            for name, calls in trace.take().items():
+                steps[name].append(calls[-1])
+    stepped = {name: torch.cat([c[0].float() for c in calls]) for name, calls in steps.items()}
+    measured = max(float((whole[n][: len(stepped[n])] - stepped[n]).abs().max()) for n in whole)
+    ulp = calibration.ulp_of(max(float(s.abs().max()) for s in stepped.values()), torch.bfloat16)
+    assert measured > ulp and cal.router_floor == measured, (measured, ulp, cal.describe())
+    assert cal.router_tolerance == 4.0 * cal.router_floor and cal.router_flips == 0  # no flip: nothing was followed
+    assert routers.tolerance_of(target) == cal.router_tolerance
+    assert "router floor" in cal.describe() and cal.as_dict()["router_tolerance"] == cal.router_tolerance
