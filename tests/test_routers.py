@@ -226,3 +226,52 @@ def test_the_router_floor_is_measured_and_the_router_tolerance_is_a_fixed_multip
     assert cal.router_tolerance == 4.0 * cal.router_floor and cal.router_flips == 0  # no flip: nothing was followed
     assert routers.tolerance_of(target) == cal.router_tolerance
     assert "router floor" in cal.describe() and cal.as_dict()["router_tolerance"] == cal.router_tolerance
+
+
+def test_two_ties_broken_in_two_layers_are_followed_in_causal_order():
+    """Twins in both routed layers; the decode breaks the layer-1 tie at one position and then a layer-2 tie at a later
+    one, which reads the earlier flip's output (through attention). Both are ties: PASS, and they are followed in
+    causal order, the cause before what reads it (judged the other way round, a consequence can look like a router
+    input that differs)."""
+    target = build_target("tiny-deepseek-v3").to(torch.bfloat16)
+    named = dict(target.named_modules())
+    with torch.no_grad():
+        for layer in (1, 2):
+            named[f"model.layers.{layer}.mlp.gate"].weight[TWINS[1]] = named[f"model.layers.{layer}.mlp.gate"].weight[TWINS[0]]
+            named[f"model.layers.{layer}.mlp.experts"].down_proj[TWINS[1]] *= 4
+    prompt = models.random_prompts(1, 8, 1, 60)[0]
+    cal = calibration.calibrate(target, [prompt], [models.greedy(target, prompt, NEW)])
+    swapped: dict = {}
+
+    def breaker(layer):
+        seen = []
+
+        def hook(module, args, output):
+            logits, weights, ids = output
+            position = prompt.shape[1] + len(seen) - 1 if seen else None  # the prefill is call 0
+            seen.append(None)
+            first = swapped.get(1)
+            wanted = position is not None and (layer == 1 and first is None or layer == 2 and first is not None
+                                               and position > first and 2 not in swapped)
+            if not wanted or len(set(ids[0].tolist()) & set(TWINS)) != 1:
+                return None
+            swapped[layer] = position
+            ids = ids.clone()
+            ids[0] = torch.where(ids[0] == TWINS[0], TWINS[1], torch.where(ids[0] == TWINS[1], TWINS[0], ids[0]))
+            return logits, weights, ids
+
+        return hook
+
+    handles = [named[f"model.layers.{layer}.mlp.gate"].register_forward_hook(breaker(layer)) for layer in (1, 2)]
+    try:
+        with oracle.LogitsRecorder(target) as recorder:
+            new = models.greedy(target, prompt, NEW)
+    finally:
+        for h in handles:
+            h.remove()
+    assert set(swapped) == {1, 2} and swapped[2] > swapped[1], swapped
+    final = prompt[0].tolist() + new
+    verdict = oracle.judge_logits(recorder.calls, final, oracle.reference_logits(target, final), prompt.shape[1], cal.tolerance)
+    assert verdict.passed, verdict.describe()
+    followed = [(f["position"], f["router"]) for f in verdict.routing["followed"]]
+    assert followed[:2] == [(swapped[1], "model.layers.1.mlp.gate"), (swapped[2], "model.layers.2.mlp.gate")], followed
