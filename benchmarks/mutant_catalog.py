@@ -332,7 +332,7 @@ MUTANTS = [
            "every routing difference is followed, however far apart the router logits are"),
     Mutant("N6", "neartie", "patcher/verify/routers.py", "        if delta > tolerance:\n", "        if delta >= 0:\n",
            "no routing flip is followed (a tie broken the other way fails the run)"),
-    Mutant("N7", "neartie", "patcher/verify/oracle.py", "            routers.stand(target, final, sites)\n", "",
+    Mutant("N7", "neartie", "patcher/verify/routers.py", "    stand(model, final, sites)\n", "",
            "the drafter oracle's reference does not follow the flips the logits reference followed"),
     Mutant("N8", "neartie", "patcher/verify/routers.py", "    return min(flips, key=lambda s: (s[0], order.get(s[1], 0))) if flips else None\n",
            "    return max(flips, key=lambda s: (s[0], order.get(s[1], 0))) if flips else None\n",

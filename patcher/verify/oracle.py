@@ -14,7 +14,6 @@ target's ``lm_head`` maps to the scripted logits.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -265,7 +264,7 @@ class LogitsRecorder:
             h.remove()
         self._handles = []
         self._routes.__exit__(*exc)
-        _DECODES[self.target] = self.calls  # reference_logits follows this decode's experts where they tie
+        routers.remember(self.target, self.calls)  # reference_logits follows this decode's experts where they tie
 
     def _before(self, module, args, kwargs):
         self._routes.take()
@@ -308,9 +307,6 @@ class LogitsRecorder:
             }
         )
 
-
-#: target -> the calls of the last decode recorded on it (``LogitsRecorder``)
-_DECODES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _committed(call: dict, final: list) -> list[int]:
@@ -379,17 +375,9 @@ def reference_logits(target, sequence: Sequence[int]):
     from-scratch forwards over ``sequence`` (the drafter oracle's features) take them too."""
     import torch
 
-    routers.release(target)
-    tolerance = routers.tolerance_of(target)
-    calls = _DECODES.get(target) if tolerance is not None else None
-    if calls:
-        final = list(sequence)
-        decoded = routers.decoder_rows(calls, lambda call: [(i, call["positions"][i]) for i in _committed(call, final)])
-        if decoded:
-            logits, flips, sites, _ = routers.reference(target, final, decoded, tolerance)
-            routers.stand(target, final, sites)
-            logits.routing = flips
-            return logits
+    followed = routers.following_reference(target, sequence, _committed)
+    if followed is not None:
+        return followed
     device = target.get_input_embeddings().weight.device
     with torch.inference_mode():
         ids = torch.tensor([list(sequence)], device=device)

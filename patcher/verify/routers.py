@@ -33,6 +33,7 @@ MAX_FLIPS = 16
 
 _TOLERANCE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> router-logit tolerance (calibration)
 _FOLLOWING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> handles of the standing follower
+_DECODES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> the calls of its last recorded decode
 
 
 def routers(model) -> list[tuple[str, object]]:
@@ -275,3 +276,34 @@ def reference(model, sequence, decoded: dict, tolerance: float):
         sites[site] = (mine[1], mine[2])
         flips.followed.append(entry)
     return logits, flips, sites, rows
+
+
+def remember(model, calls: list[dict]) -> None:
+    """The calls (with their ``routes``) of the decode just recorded on ``model`` (``oracle.LogitsRecorder``)."""
+    try:
+        _DECODES[model] = calls
+    except TypeError:
+        pass
+
+
+def following_reference(model, sequence, committed):
+    """The from-scratch logits over ``sequence`` that follow the last recorded decode's ties (``reference``), with a
+    ``routing`` attribute (``Flips``), left standing for the decode's other references (``stand``); None where there
+    is nothing to follow (no router tolerance, no decode, or none of its tokens committed to ``sequence``).
+    ``committed(call, final)`` gives the rows of a recorded call whose context is ``final``."""
+    release(model)
+    tolerance = tolerance_of(model)
+    try:
+        calls = _DECODES.get(model) if tolerance is not None else None
+    except TypeError:
+        calls = None
+    if not calls:
+        return None
+    final = list(sequence)
+    decoded = decoder_rows(calls, lambda call: [(i, call["positions"][i]) for i in committed(call, final)])
+    if not decoded:
+        return None
+    logits, flips, sites, _ = reference(model, final, decoded, tolerance)
+    stand(model, final, sites)
+    logits.routing = flips
+    return logits
