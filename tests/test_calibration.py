@@ -108,6 +108,20 @@ def test_a_planted_real_loss_at_the_same_position_fails(tied_target):
     assert not checks.lossless_check("dflash", [run])["passed"]
 
 
+def test_a_tie_at_the_divergence_then_a_token_far_from_its_argmax_is_a_loss():
+    """Every emitted token is judged, not only the divergence: greedy 7 and the decode's 8 tie at new token 1, but at
+    new token 2 the decode emitted 5, 1.0 below that position's argmax 9."""
+    reference, new = [3, 7, 9, 4], [3, 8, 5, 4]
+    forced = torch.zeros(8, 12)
+    for i, token in enumerate([3, 8, 9, 4]):
+        forced[3 + i, token] = 1.0
+    forced[4, 7] = 1.0 - 1e-3  # the tie: 7 within 1e-3 of 8
+    verdict = neartie.judge_ties(reference, new, forced, 4, 0.02, max_new_tokens=4)
+    assert verdict.kind == "loss" and verdict.worst["position"] == 2 and verdict.worst["argmax"] == 9, verdict.describe()
+    forced[5, 5] = 1.0 - 1e-3  # 5 a tie too: the whole run is within ε
+    assert neartie.judge_ties(reference, new, forced, 4, 0.02, max_new_tokens=4).kind == "near-tie"
+
+
 def test_the_targets_own_mask_token_is_named_not_called_a_loss():
     reference, new = [3, 7, 9, 4], [3, 9, 4]  # the decoder dropped the mask id 7
     verdict = neartie.judge_ties(reference, new, torch.zeros(10, 12), 6, 0.01, mask_token_id=7)

@@ -485,3 +485,41 @@ def test_verify_generate_under_sampling_judges_logits_and_the_distribution():
     for mode in ("assistant", "prompt-lookup"):
         assert checks[f"logits == from-scratch: {mode}"]["passed"], "sampling must not touch the recorded logits"
         assert "over 120 runs" in checks[f"sampling distribution: {mode}"]["evidence"]
+
+
+def test_verify_generate_runs_early_exit_and_dflash_exactly_and_fails_a_perturbed_commit(monkeypatch):
+    """``verify --generate --mode early-exit,dflash``: both modes run through the runtime and come out token-identical
+    with from-scratch logits; the same run with every commit nudging the recurrent state by 1e-2 fails both modes."""
+    from patcher.runtime import commit
+    from patcher.verify.generate_mode import run_generate
+
+    calls = []
+    real_verify = rt.verify_forward
+
+    def counting(*args, **kwargs):
+        calls.append(None)
+        return real_verify(*args, **kwargs)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(rt, "verify_forward", counting)
+        outcome = run_generate(presets=["tiny-qwen3_5"], modes=["early-exit", "dflash"], max_new_tokens=24)
+    checks = {c["check"]: c for c in outcome.checks}
+    assert outcome.passed, checks
+    for mode in ("early-exit", "dflash"):
+        assert checks[f"lossless: {mode}"]["passed"] and checks[f"logits == from-scratch: {mode}"]["passed"]
+    methods = {m["method"]: m for m in outcome.result["models"][0]["methods"]}
+    assert set(methods) == {"early-exit", "dflash"} and len(calls) > 2 * len(methods), len(calls)
+
+    real_commit = commit._commit
+
+    def nudged(cache, record, keep):
+        real_commit(cache, record, keep)
+        for layer in cache.layers:
+            for state in getattr(layer, "recurrent_states", {}).values():
+                if state is not None:
+                    state.add_(1e-2)
+
+    monkeypatch.setattr(commit, "_commit", nudged)
+    broken = run_generate(presets=["tiny-qwen3_5"], modes=["early-exit", "dflash"], max_new_tokens=24)
+    failed = {c["check"] for c in broken.checks if not c["passed"]}
+    assert not broken.passed and {"logits == from-scratch: early-exit", "logits == from-scratch: dflash"} <= failed, failed

@@ -31,14 +31,19 @@ def test_the_pin_is_the_tested_range():
 
 
 def test_the_pin_covers_the_newest_tested_release_and_only_whole_minors():
+    """The range runs from a whole minor (the floor) to the minor after the newest release the matrix ran: it covers
+    every patch of the newest tested minor and nothing of the next one."""
     low, high = penv.release(LOW), penv.release(HIGH)
-    assert low[2] == 0 and high[2] == 0, "the range runs from a minor to the next minor after the newest tested one"
-    assert high > low
+    assert low[2] == 0 and high[2] == 0 and high > low, (LOW, HIGH)
+    newest = max(penv.release(r) for r in _matrix_releases())
+    assert high == (newest[0], newest[1] + 1, 0), f"the pin ends at {HIGH}, the matrix's newest release is {newest}"
+    assert penv.tested_range_status("transformers", f"{newest[0]}.{newest[1]}.99") == "inside"
 
 
-def test_the_recipe_names_the_same_range():
+def test_the_recipe_and_the_docs_name_the_same_range():
     recipe = tomllib.loads((ROOT / "recipes" / "qwen3_6-gdn.toml").read_text())
     assert _pin(recipe["transformers"]) == (LOW, HIGH)
+    assert f"`transformers>={LOW},<{HIGH}`" in (ROOT / "docs" / "transformers.md").read_text()
 
 
 def test_this_suite_runs_inside_the_tested_range():
@@ -60,6 +65,7 @@ def test_the_matrix_runs_the_floor_a_middle_release_and_the_newest():
     versions = [penv.release(r) for r in releases]
     assert min(versions) == penv.release(LOW), "the matrix must run the floor of the pin"
     newest = max(versions)
+    assert any(min(versions) < v < newest for v in versions), f"no release between the floor and the newest: {releases}"
     assert newest[:2] == (penv.release(HIGH)[0], penv.release(HIGH)[1] - 1), "the matrix must run the newest minor the pin allows"
     assert all(penv.tested_range_status("transformers", r) == "inside" for r in releases)
 
@@ -75,7 +81,7 @@ def test_ci_run_runs_the_readme_command_then_the_matrix_and_fails_with_it():
     assert lines[-1] == "exit $status", ".ci/run must fail when the suite or a matrix cell fails"
 
 
-def test_the_matrix_script_parses():
+def test_the_matrix_and_ci_run_scripts_parse():
     subprocess.run(["bash", "-n", str(ROOT / ".ci" / "matrix")], check=True)
     subprocess.run(["bash", "-n", str(ROOT / ".ci" / "run")], check=True)
 

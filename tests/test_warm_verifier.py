@@ -207,3 +207,17 @@ def _cmdline(pid: str) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return ""
+
+
+def test_a_refusal_names_another_checkout_another_python_or_an_import_time_variable():
+    """Only a request from this ddpatch, this Python and the same import-time environment is forked; any
+    other gets the reason it goes to a fresh process (the variables that differ by name)."""
+    from patcher.verify import warm
+
+    started = warm.import_time_env({"OMP_NUM_THREADS": "1", "HOME": "/a"})
+    same = {"worker": "/w/worker.py", "executable": sys.executable, "env": {"OMP_NUM_THREADS": "1", "HOME": "/b"}}
+    assert started == {"OMP_NUM_THREADS": "1"} and warm.refusal(same, started, "/w/worker.py") is None
+    assert "another ddpatch (/x/worker.py)" in warm.refusal({**same, "worker": "/x/worker.py"}, started, "/w/worker.py")
+    assert "another Python (/usr/bin/python9)" in warm.refusal({**same, "executable": "/usr/bin/python9"}, started, "/w/worker.py")
+    why = warm.refusal({**same, "env": {"OMP_NUM_THREADS": "2", "PYTORCH_X": "1"}}, started, "/w/worker.py")
+    assert why.endswith("differ: OMP_NUM_THREADS, PYTORCH_X"), why

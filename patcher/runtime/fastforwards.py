@@ -11,7 +11,7 @@ from .caches import _kernel_size, _real_state
 from .record import _Record
 from .routing import _own_forward
 from .strategies import _node_recurrent_forward
-from .fastpath import _FAST_KERNELS, _FastCapture, _fast_capturing, _fast_enabled
+from .fastpath import _FastCapture, _fast_capturing, _fast_enabled
 
 
 def _fast_chain_forward(original: Callable, module, layer_idx: int, record: _Record) -> Callable:
@@ -85,8 +85,10 @@ def _fast_tree_forward(original: Callable, module, layer_idx: int, cache, record
             record.inputs[layer_idx] = (hidden_states, None)
             record.fast[layer_idx] = capture
             return output
-        # The module did not call its kernels the way this path expects: the generic strategy.
-        _FAST_KERNELS[type(module)] = None
+        # The module did not call its kernels the way this path expects, this time: the generic strategy for this
+        # call. The class keeps its fast path: one incomplete capture (a forward that took another branch, a kernel
+        # wrapped by someone else for a while) says nothing about the next call, and a class-wide switch would make
+        # every later tree verify of the process depend on it.
         generic = _node_recurrent_forward(original, module, layer_idx, cache, record)
         return generic(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
 

@@ -30,6 +30,9 @@ over j on the path to a, and a node's output is ``e^G_i q_i S0 + sum_j e^(G_i - 
 
 Anything unexpected (a class whose forward calls other names, a kernel or conv called a
 different number of times) falls back to the generic module replay / tree strategies above.
+Only what a class's forward calls is decided once per class (``_FAST_KERNELS``, from its code);
+a capture that comes out incomplete falls back for that call alone, so no call of one verify
+changes how a later verify runs.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ _fast_lock = threading.Lock()
 _fast_installed: dict = {}  # (id of the modeling namespace, name) -> [users, original, wrapper]
 
 
+#: class -> (namespace, {name: kind}) of the kernels its forward calls, or None: decided from the code alone
 _FAST_KERNELS: "weakref.WeakKeyDictionary[type, Any]" = weakref.WeakKeyDictionary()
 
 

@@ -12,14 +12,23 @@ The logits oracle then allows ``MULTIPLE`` times the floor, and two tokens withi
 (docs/verify-precision.md): correct bf16/fp16 runs of the fully patched tree reach at most
 1.1 floors, a broken rollback (the code-shape-only control) 30 to 750.
 
-When the floor is so high that a lossy commit would not stand out (discrete choices, MoE
-routing or a top-k indexer, flipping under half-precision rounding), the verdict is
+On a mixture-of-experts target the two ways may pick different experts for a token (a routing
+flip: a tie between two experts under this rounding, see ``routers``). The multi-token way then
+follows the token-by-token way's experts there, so that the floor measures rounding, not a
+discrete jump; the same comparison gives the routers' own floor (their logits' largest |Δ|),
+and ``MULTIPLE`` times it is the router tolerance the logits oracle's reference uses to tell a
+tie from a router input that already differs.
+
+When the floor is so high that a lossy commit would not stand out (discrete choices that are
+not followed, a top-k indexer flipping under half-precision rounding), the verdict is
 *inconclusive in this dtype*: ``conclusive`` says so, and the report names the float32 command.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from . import routers
 
 #: Tolerance = MULTIPLE x floor (see the module docstring and docs/verify-precision.md).
 MULTIPLE = 4.0
@@ -43,6 +52,9 @@ class Calibration:
     multiple: float
     tolerance: float
     override: float | None = None  # --logit-tolerance
+    router_floor: float | None = None  # largest |Δ router logits| the two ways (None: no top-k router)
+    router_tolerance: float | None = None  # MULTIPLE x router floor: a routing flip within it is a tie
+    router_flips: int = 0  # routing flips the multi-token way followed
 
     @property
     def epsilon(self) -> float:
@@ -56,6 +68,9 @@ class Calibration:
     def describe(self) -> str:
         text = (f"noise floor {self.floor:.2e} ({self.dtype}, {self.positions} positions: multi-token forward vs "
                 f"token-by-token with a cache; one ulp {self.ulp:.1e}), logit spread {self.spread:.2e}")
+        if self.router_floor is not None:
+            text += (f"; router floor {self.router_floor:.1e}, router tolerance {self.router_tolerance:.1e}"
+                     f" ({self.router_flips} routing flip(s) followed)")
         if self.override is not None:
             return f"{text}; tolerance {self.tolerance:.2e} set by --logit-tolerance"
         return f"{text}; tolerance {self.multiple:g} x floor = {self.tolerance:.2e}"
@@ -63,7 +78,8 @@ class Calibration:
     def as_dict(self) -> dict:
         return {"dtype": self.dtype, "floor": self.floor, "measured": self.measured, "ulp": self.ulp, "spread": self.spread,
                 "positions": self.positions, "multiple": self.multiple, "tolerance": self.tolerance, "epsilon": self.epsilon,
-                "override": self.override, "conclusive": self.conclusive}
+                "override": self.override, "conclusive": self.conclusive, "router_floor": self.router_floor,
+                "router_tolerance": self.router_tolerance, "router_flips": self.router_flips}
 
 
 def ulp_of(value: float, dtype) -> float:
@@ -77,20 +93,37 @@ def ulp_of(value: float, dtype) -> float:
 
 def two_ways(target, prompt, continuation: list[int]):
     """(multi-token forward logits, token-by-token logits) at the positions that decide ``continuation``."""
+    full, stepped, _ = routed_two_ways(target, prompt, continuation)
+    return full, stepped
+
+
+def routed_two_ways(target, prompt, continuation: list[int]):
+    """``two_ways``, and on a target with top-k routers ``(largest |Δ router logits|, flips followed, largest |router
+    logit|)`` (else None): the multi-token way follows the token-by-token way's experts where they part."""
     import torch
     from transformers import DynamicCache
 
     from .context import with_cache
 
-    n = len(continuation)
+    n, p = len(continuation), prompt.shape[1]
     cont = torch.tensor([continuation], device=prompt.device)
-    with torch.inference_mode():
-        full = target(torch.cat([prompt, cont], dim=1), use_cache=False).logits[0, prompt.shape[1] - 1 : prompt.shape[1] - 1 + n]
+    with routers.Trace(target) as trace, torch.inference_mode():
+        full = target(torch.cat([prompt, cont], dim=1), use_cache=False).logits[0, p - 1 : p - 1 + n]
+        trace.take()
         cache = DynamicCache(config=target.config)
         rows = [target(prompt, **with_cache(target, cache), use_cache=True).logits[0, -1]]
+        stepped = routers.decoder_rows([{"routes": trace.take()}], lambda call: list(enumerate(range(p))))
         for i in range(n - 1):
             rows.append(target(cont[:, i : i + 1], **with_cache(target, cache), use_cache=True).logits[0, -1])
-    return full.float().cpu(), torch.stack(rows).float().cpu()
+            stepped.update(routers.decoder_rows([{"routes": trace.take()}], lambda call, at=p + i: [(0, at)]))
+    routed = None
+    if trace.routers:
+        sequence = prompt[0].tolist() + list(continuation)
+        logits, flips, _, followed = routers.reference(target, sequence, stepped, float("inf"))
+        full = logits[p - 1 : p - 1 + n]
+        top = max((float(r[0].float().abs().max()) for r in stepped.values()), default=0.0)
+        routed = (routers.largest_delta(stepped, followed), len(flips.followed), top)
+    return full.float().cpu(), torch.stack(rows).float().cpu(), routed
 
 
 def calibrate(target, prompts, continuations, override: float | None = None) -> Calibration:
@@ -99,10 +132,14 @@ def calibrate(target, prompts, continuations, override: float | None = None) -> 
     dtype = target.dtype
     name = str(dtype).replace("torch.", "")
     measured, top, spreads, positions = 0.0, 0.0, [], 0
+    router_floor, router_top, flips = None, 0.0, 0
     for prompt, cont in zip(prompts, continuations):
         if not cont:
             continue
-        a, b = two_ways(target, prompt, list(cont))
+        a, b, routed = routed_two_ways(target, prompt, list(cont))
+        if routed is not None:
+            router_floor = max(router_floor or 0.0, routed[0])
+            flips, router_top = flips + routed[1], max(router_top, routed[2])
         measured = max(measured, float((a - b).abs().max()))
         top = max(top, float(a.abs().max()))
         spreads += a.std(dim=-1).tolist()
@@ -115,7 +152,13 @@ def calibrate(target, prompts, continuations, override: float | None = None) -> 
     if override is not None:
         tolerance = override
     spread = sum(spreads) / len(spreads) if spreads else 0.0
-    return Calibration(name, floor, measured, ulp, spread, positions, MULTIPLE, tolerance, override)
+    router_tolerance = None
+    if router_floor is not None:
+        router_floor = max(router_floor, ulp_of(router_top, dtype))
+        router_tolerance = MULTIPLE * router_floor
+    routers.set_tolerance(target, router_tolerance)
+    return Calibration(name, floor, measured, ulp, spread, positions, MULTIPLE, tolerance, override, router_floor,
+                       router_tolerance, flips)
 
 
 def float32_command(cfg: dict) -> str:

@@ -315,7 +315,7 @@ def lossless_check(name: str, runs: list[dict]) -> dict:
     identical = sum(r["verdict"]["identical"] for r in runs)
     lost = [r for r, k in zip(runs, kinds) if k == "loss" or "error" in r]
     masked = [r for r, k in zip(runs, kinds) if k == "mask-token"]
-    tied = [r for r, k in zip(runs, kinds) if k == "near-tie"]
+    tied = [r for r, k in zip(runs, kinds) if k in ("near-tie", "routing")]
     check = {"check": f"lossless: {name}", "passed": bool(runs) and not lost and not masked}
     if lost:
         first = lost[0]
@@ -326,8 +326,8 @@ def lossless_check(name: str, runs: list[dict]) -> dict:
     elif masked:
         check.update(inconclusive=True, evidence=f"prompt {masked[0]['prompt']}: {masked[0]['ties_description']}")
     elif tied:
-        check["evidence"] = (f"{identical}/{len(runs)} runs token-identical, {len(tied)} within near-ties; prompt "
-                             f"{tied[0]['prompt']}: {tied[0]['ties_description']}")
+        check["evidence"] = (f"{identical}/{len(runs)} runs token-identical, {len(tied)} within near-ties or routing flips; "
+                             f"prompt {tied[0]['prompt']}: {tied[0]['ties_description']}")
     else:
         check["evidence"] = f"{len(runs)}/{len(runs)} runs token-identical"
     return check

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from . import routers
 from .context import DecodeContext
 
 RANK_PROBS = (0.6, 0.25, 0.15)
@@ -236,8 +237,8 @@ LOGIT_TOLERANCE = {"float32": 3e-5, "bfloat16": 0.25, "float16": 0.05}
 class LogitsRecorder:
     """Forward hooks on the target that keep what every target forward computed.
 
-    Per call: the input ids, their positions, the tree mask (if any) and the logits. Nothing
-    in the decoder changes: the hooks only read. ``positions`` falls back to the cache length
+    Per call: the input ids, their positions, the tree mask (if any), the logits, and what each
+    top-k router chose (``routers``). Nothing in the decoder changes: the hooks only read. ``positions`` falls back to the cache length
     before the call when the decoder passes no ``position_ids``. Only forwards that use a cache
     are decoding steps; others (a runtime's probe, a reference forward) are not recorded.
     """
@@ -247,20 +248,26 @@ class LogitsRecorder:
         self.calls: list[dict] = []
         self._handles = []
         self._past = None
+        self._routes = routers.Trace(target)
 
     def __enter__(self):
+        routers.release(self.target)  # a new decode: no reference of the last one follows its experts any more
         self._handles = [
             self.target.register_forward_pre_hook(self._before, with_kwargs=True),
             self.target.register_forward_hook(self._after, with_kwargs=True),
         ]
+        self._routes.__enter__()
         return self
 
     def __exit__(self, *exc):
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._routes.__exit__(*exc)
+        routers.remember(self.target, self.calls)  # reference_logits follows this decode's experts where they tie
 
     def _before(self, module, args, kwargs):
+        self._routes.take()
         cache = cache_given(kwargs)
         try:
             self._past = int(cache.get_seq_length()) if cache is not None else 0
@@ -296,8 +303,19 @@ class LogitsRecorder:
                 "positions": positions.detach().cpu().tolist(),
                 "visible": visible,
                 "logits": logits[0].detach().float().cpu(),
+                "routes": self._routes.take(),
             }
         )
+
+
+
+def _committed(call: dict, final: list) -> list[int]:
+    """The rows of one recorded call whose context is the final sequence (itself and what it attends to among the
+    call's inputs: all earlier inputs for a chain, its ancestors from the 4D mask for a tree)."""
+    ids, pos, visible = call["ids"], call["positions"], call["visible"]
+    ok = [0 <= p < len(final) and t == final[p] for t, p in zip(ids, pos)]
+    return [i for i in range(len(ids))
+            if all(ok[j] for j in ([j for j in range(len(ids)) if bool(visible[i, j])] if visible is not None else range(i + 1)))]
 
 
 def committed_rows(calls: list[dict], final: Sequence[int]) -> list[tuple[int, "object"]]:
@@ -311,13 +329,9 @@ def committed_rows(calls: list[dict], final: Sequence[int]) -> list[tuple[int, "
     final = list(final)
     rows = []
     for call in calls:
-        ids, pos, logits, visible = call["ids"], call["positions"], call["logits"], call["visible"]
-        q, kept = len(ids), logits.shape[0]
-        ok = [0 <= p < len(final) and t == final[p] for t, p in zip(ids, pos)]
-        for i in range(q - kept, q):
-            context = [j for j in range(q) if bool(visible[i, j])] if visible is not None else range(i + 1)
-            if all(ok[j] for j in context):
-                rows.append((pos[i], logits[i - (q - kept)]))
+        pos, logits, q = call["positions"], call["logits"], len(call["ids"])
+        kept = logits.shape[0]
+        rows += [(pos[i], logits[i - (q - kept)]) for i in _committed(call, final) if i >= q - kept]
     return rows
 
 
@@ -329,6 +343,8 @@ class LogitsVerdict:
     tolerance: float
     positions: int  # committed positions compared
     trace: tuple = ()  # (new-token index, |Δlogit|) per committed position, for plots
+    routing: dict | None = None  # the routing flips the reference followed, or could not (``routers.Flips``)
+    routing_text: str = ""
 
     @property
     def passed(self) -> bool:
@@ -339,19 +355,29 @@ class LogitsVerdict:
             return "no committed position was recorded (the target forward was not seen)"
         text = f"max |Δlogit| {self.max_abs:.2e} at new token {self.at}, {self.positions} positions"
         if self.first_over is not None:
-            return f"{text}; first over {self.tolerance:.0e} at new token {self.first_over}"
-        return f"{text} (tolerance {self.tolerance:.0e})"
+            text = f"{text}; first over {self.tolerance:.0e} at new token {self.first_over}"
+        else:
+            text = f"{text} (tolerance {self.tolerance:.0e})"
+        return f"{text}; {self.routing_text}" if self.routing_text else text
 
     def as_dict(self) -> dict:
         return {"max_abs": self.max_abs, "at": self.at, "first_over": self.first_over,
                 "tolerance": self.tolerance, "positions": self.positions, "passed": self.passed,
-                "trace": [[i, float(f"{d:.3g}")] for i, d in self.trace]}
+                "trace": [[i, float(f"{d:.3g}")] for i, d in self.trace], "routing": self.routing}
 
 
 def reference_logits(target, sequence: Sequence[int]):
-    """One from-scratch forward of the target over ``sequence``: no cache, nothing speculative."""
+    """One from-scratch forward of the target over ``sequence``: no cache, nothing speculative.
+
+    On a target with top-k routers whose last decode (``LogitsRecorder``) committed ``sequence``, the forward takes
+    the decoder's experts at the routing flips that are ties under this dtype's rounding (``routers.reference``;
+    the tensor's ``routing`` attribute says which), and until the next decode is recorded, the target's other
+    from-scratch forwards over ``sequence`` (the drafter oracle's features) take them too."""
     import torch
 
+    followed = routers.following_reference(target, sequence, _committed)
+    if followed is not None:
+        return followed
     device = target.get_input_embeddings().weight.device
     with torch.inference_mode():
         ids = torch.tensor([list(sequence)], device=device)
@@ -365,6 +391,8 @@ def judge_logits(calls: list[dict], final: Sequence[int], reference, prompt_len:
     ``p + 1 - prompt_len``. The prompt's own positions (prefill) are compared too.
     """
     worst, at, first, trace = 0.0, None, None, {}
+    flips = getattr(reference, "routing", None)
+    routed = flips is not None and bool(flips.followed or flips.unexplained or flips.too_many)
     rows = committed_rows(calls, final)
     for pos, row in sorted(rows, key=lambda r: r[0]):
         diff = float((row - reference[pos]).abs().max())
@@ -375,7 +403,8 @@ def judge_logits(calls: list[dict], final: Sequence[int], reference, prompt_len:
             worst, at = diff, new_index
         if diff > tolerance and first is None:
             first = new_index
-    return LogitsVerdict(worst, at, first, tolerance, len(rows), tuple(sorted(trace.items())))
+    return LogitsVerdict(worst, at, first, tolerance, len(rows), tuple(sorted(trace.items())),
+                         flips.as_dict() if routed else None, flips.describe(prompt_len) if routed else "")
 
 
 # ----------------------------------------------------------------------------- the distributional check
