@@ -117,9 +117,14 @@ def apply(path, out, force, allow_partial, show_diff, **options) -> None:
         if show_diff:
             print_diff(result.report)
         click.echo(apply_text(result), nl=False)
-    _report_errors(error_lines(result.report) + _lossy_line(result.lossy, result.report.recipe.name) + apply_error_lines(result))
+    lossy_blocked = result.lossy if result.blocked else []
+    _report_errors(error_lines(result.report) + _lossy_line(lossy_blocked, result.report.recipe.name) + apply_error_lines(result))
+    if result.lossy and not result.blocked:  # --allow-lossy: written as asked, and said once (not as an error)
+        click.echo(f"ddpatch: warning: --allow-lossy: the selection leaves out {', '.join(result.lossy)}; the patched tree "
+                   "decodes lossy on a hybrid model (a control, not a fix)", err=True)
     if result.written:
-        _next_step(f"ddpatch verify {result.out or result.report.root}    # prove the patched tree decodes losslessly", fmt)
+        what = "show that the control fails" if result.lossy else "prove the patched tree decodes losslessly"
+        _next_step(f"ddpatch verify {result.out or result.report.root}    # {what}", fmt)
     sys.exit(code)
 
 

@@ -102,6 +102,8 @@ def apply_error_lines(result: ApplyResult) -> list[str]:
     """Why an apply wrote nothing, after the failures that caused it (``error_lines``)."""
     if not (result.blocked and result.report.changed):
         return []
+    if not (result.report.no_match or result.report.skipped):  # the selection alone blocked it: its own line says so
+        return []
     why = "a step is no-match" if result.report.no_match else "a file was skipped"
     return [f"nothing written: {why}; use --allow-partial to write the rest"]
 
