@@ -13,10 +13,15 @@
     python tools/train_tiny_pair.py                          # the shipped pair (~15 min on 2 cores)
     python tools/train_tiny_pair.py --steps 5 --out /tmp/p   # a smoke run
     python tools/train_tiny_pair.py --measure /tmp/x         # acceptance of a patched tree on the held-out prompts
+    python tools/train_tiny_pair.py --floor                  # (re)write acceptance_floor.json (training ends with it)
 
 ``--measure TREE`` loads the folders the way ``ddpatch verify --target --draft`` does (``from_pretrained``,
 float32), imports TREE's own ``dflash_generate`` / ``ddtree_generate`` and reports the mean acceptance on the
 held-out prompts of ``metadata.json``, checking that every output equals the target's greedy decoding.
+
+``--floor`` runs ddpatch's from-scratch reference decoders (``patcher/verify/reference_decode.py``) on the
+held-out prompts and writes ``acceptance_floor.json`` beside the two folders: what ``ddpatch verify``'s
+``acceptance: METHOD`` checks compare a patched tree with (``patcher/verify/acceptance.py``).
 """
 
 from __future__ import annotations
@@ -389,6 +394,38 @@ def measure(args) -> dict:
     return figures
 
 
+# ----------------------------------------------------------------------------- the acceptance floor
+FLOOR_BUDGETS = [4, 8, 16, 32]
+FLOOR_NEW = 64
+
+
+def write_floor(args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(ROOT))
+    from patcher.verify import acceptance
+
+    out = Path(args.out)
+    t0, c0 = time.time(), time.process_time()
+    meta = json.loads((out / "metadata.json").read_text())
+    target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32, local_files_only=True).eval()
+    draft = draft_class().from_pretrained(out / "draft", dtype=torch.float32, local_files_only=True).eval()
+    tok = AutoTokenizer.from_pretrained(out / "target", local_files_only=True)
+    texts = meta["held_out_prompts"]
+    data = acceptance.measure(
+        target, draft, out / "target", out / "draft", [tok(p).input_ids for p in texts], texts, block_size=BLOCK,
+        budgets=FLOOR_BUDGETS, max_new_tokens=FLOOR_NEW, stop_ids=[tok.eos_token_id],
+        command="python tools/train_tiny_pair.py --floor" + (f" --out {args.out}" if Path(args.out) != DEFAULT_OUT else ""),
+        progress=lambda msg: print(f"[{time.time() - t0:6.0f}s] {msg}", flush=True))
+    data["seconds"], data["cpu_seconds"] = round(time.time() - t0, 1), round(time.process_time() - c0, 1)
+    (out / acceptance.FLOOR_FILE).write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    print(f"wrote {out / acceptance.FLOOR_FILE} in {data['seconds']} s ({data['cpu_seconds']} CPU s); "
+          f"epsilon {data['epsilon']['logits']:.2e} in logits", flush=True)
+    return data
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(DEFAULT_OUT))
@@ -403,6 +440,7 @@ def main(argv=None) -> int:
     ap.add_argument("--anchors", type=int, default=16, help="blocks per sequence")
     ap.add_argument("--gamma", type=float, default=4.0, help="loss decay exp(-(k-1)/gamma)")
     ap.add_argument("--reuse-target", action="store_true", help="keep --out's target (and tokenizer): train the drafter only")
+    ap.add_argument("--floor", action="store_true", help="only (re)write acceptance_floor.json for --out's pair")
     ap.add_argument("--measure", metavar="TREE", default=None, help="a patched DDTree tree: measure acceptance instead of training")
     ap.add_argument("--block", type=int, default=BLOCK)
     ap.add_argument("--new", type=int, default=64, help="--measure: new tokens per prompt")
@@ -411,8 +449,11 @@ def main(argv=None) -> int:
     if args.measure:
         figures = measure(args)
         print(json.dumps(figures))
+    elif args.floor:
+        write_floor(args)
     else:
         train(args)
+        write_floor(args)
     return 0
 
 
