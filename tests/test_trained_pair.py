@@ -212,6 +212,11 @@ def queries_rotated_at_the_context(tree: Path) -> None:
     edit(tree, "model/dflash.py", ("cos[:, -q_len:], sin[:, -q_len:]", "cos[:, :q_len], sin[:, :q_len]"))
 
 
+def drafter_layers_reversed(tree: Path) -> None:
+    # in the drafter's own code, the same with and without a cache: the oracle's reference runs this module too
+    edit(tree, "model/dflash.py", ("        for block in self.layers:", "        for block in reversed(self.layers):"))
+
+
 #: bug -> (the edit, the checks that must fail: kind -> the methods it must fail for)
 BOTH = ("dflash", "ddtree_tb8")
 TRAINED_BUGS = {
@@ -219,6 +224,7 @@ TRAINED_BUGS = {
     "proposals-shifted": (proposals_shifted, {"acceptance": BOTH}),  # the oracle cannot see it: its calls are exact
     "half-budget": (half_budget, {"acceptance": ("ddtree_tb8",)}),
     "queries-rotated": (queries_rotated_at_the_context, {"drafter": BOTH, "acceptance": BOTH}),
+    "drafter-layers-reversed": (drafter_layers_reversed, {"acceptance": BOTH}),
 }
 
 
