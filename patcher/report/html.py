@@ -79,12 +79,14 @@ def acceptance_svg(methods: list[dict], checks: list[dict] | None = None) -> str
         return "<p>no acceptance lengths</p>"
     judged = {c["check"].split(": ", 1)[1]: c for c in checks or [] if c["check"].startswith("acceptance: ")}
     hists = [{int(k): v for k, v in m["acceptance_histogram"].items()} for m in drafted]
-    longest = max(max(h) for h in hists)
+    references = [c["reference_mean"] for c in judged.values() if c.get("reference_mean")]
+    longest = max([max(h) for h in hists] + [math.ceil(r) for r in references])  # the same lengths in every panel
     top = max(v / sum(h.values()) for h in hists for v in h.values())
     top = min(1.0, math.ceil(top * 1.1 * 10) / 10)  # the shared y scale: headroom, rounded up to a tenth
-    bar, gap, left, head, foot, plot_h = 16, 3, 34, 40, 30, 120
+    gap, left, head, foot, plot_h = 3, 34, 40, 30, 120
+    bar = max(16, (140 - gap) // longest - gap)  # a panel at least as wide as its title
     panel = longest * (bar + gap) + gap
-    width = left + len(drafted) * (panel + 18)
+    width = max(left + len(drafted) * (panel + 18), 600)  # room for the caption
     height = head + plot_h + foot
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" '
              f'aria-label="acceptance histograms, all methods, one scale">']
@@ -116,7 +118,7 @@ def acceptance_svg(methods: list[dict], checks: list[dict] | None = None) -> str
         reference = (judged.get(m["method"]) or {}).get("reference_mean")
         if reference:
             parts.append(mark(reference, "#c00", f"ddpatch's from-scratch reference decode: mean {reference:.2f} on the same prompts"))
-    parts.append(f'<text x="{left + (width - left) / 2}" y="{height - 4}" font-size="10" text-anchor="middle">'
+    parts.append(f'<text x="{left}" y="{height - 4}" font-size="10">'
                  "tokens committed per round (share of rounds; count above each bar; dashed: the mean, red: ddpatch's reference decode)</text></svg>")
     return "".join(parts)
 
