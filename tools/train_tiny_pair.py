@@ -10,13 +10,18 @@
    k is weighted exp(-(k-1)/gamma). The target's embeddings and LM head are shared and frozen (the drafter
    has none of its own).
 
-    python tools/train_tiny_pair.py                          # the shipped pair (~15 min on 2 cores)
+    python tools/train_tiny_pair.py                          # the shipped pair (about 20 min, see metadata.json)
     python tools/train_tiny_pair.py --steps 5 --out /tmp/p   # a smoke run
     python tools/train_tiny_pair.py --measure /tmp/x         # acceptance of a patched tree on the held-out prompts
+    python tools/train_tiny_pair.py --floor                  # (re)write acceptance_floor.json (training ends with it)
 
 ``--measure TREE`` loads the folders the way ``ddpatch verify --target --draft`` does (``from_pretrained``,
 float32), imports TREE's own ``dflash_generate`` / ``ddtree_generate`` and reports the mean acceptance on the
 held-out prompts of ``metadata.json``, checking that every output equals the target's greedy decoding.
+
+``--floor`` runs ddpatch's from-scratch reference decoders (``patcher/verify/reference_decode.py``) on the
+held-out prompts and writes ``acceptance_floor.json`` beside the two folders: what ``ddpatch verify``'s
+``acceptance: METHOD`` checks compare a patched tree with (``patcher/verify/acceptance.py``).
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ def target_config():
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=3 * HIDDEN, num_hidden_layers=len(LAYERS),
         layer_types=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4,
         linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-        max_position_embeddings=2048, tie_word_embeddings=True, eos_token_id=0, bos_token_id=None, pad_token_id=None,
+        max_position_embeddings=2048, tie_word_embeddings=False, eos_token_id=0, bos_token_id=None, pad_token_id=None,
     )
 
 
@@ -320,7 +325,7 @@ def train(args) -> None:
     log(f"target saved; held-out loss {target_meta['held_out_loss']:.3f}")
 
     seqs, feats = distill_set(target, stream, args.distill, args.seed, log)
-    draft_steps = args.draft_steps if args.draft_steps is not None else (args.steps if args.steps < 20 else 600)
+    draft_steps = args.draft_steps if args.draft_steps is not None else (args.steps if args.steps < 20 else 1500)
     draft, d_losses, d_accs = train_draft(target, seqs, feats, draft_steps, args.draft_batch, args.anchors, args.gamma,
                                           mask_id, args.seed, log)
     draft.save_pretrained(out / "draft")
@@ -389,20 +394,53 @@ def measure(args) -> dict:
     return figures
 
 
+# ----------------------------------------------------------------------------- the acceptance floor
+FLOOR_BUDGETS = [4, 8, 16, 32]
+FLOOR_NEW = 64
+
+
+def write_floor(args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(ROOT))
+    from patcher.verify import acceptance
+
+    out = Path(args.out)
+    t0, c0 = time.time(), time.process_time()
+    meta = json.loads((out / "metadata.json").read_text())
+    target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32, local_files_only=True).eval()
+    draft = draft_class().from_pretrained(out / "draft", dtype=torch.float32, local_files_only=True).eval()
+    tok = AutoTokenizer.from_pretrained(out / "target", local_files_only=True)
+    texts = meta["held_out_prompts"]
+    data = acceptance.measure(
+        target, draft, out / "target", out / "draft", [tok(p).input_ids for p in texts], texts, block_size=BLOCK,
+        budgets=FLOOR_BUDGETS, max_new_tokens=FLOOR_NEW, stop_ids=[tok.eos_token_id],
+        command="python tools/train_tiny_pair.py --floor" + (f" --out {args.out}" if Path(args.out) != DEFAULT_OUT else ""),
+        progress=lambda msg: print(f"[{time.time() - t0:6.0f}s] {msg}", flush=True))
+    data["seconds"], data["cpu_seconds"] = round(time.time() - t0, 1), round(time.process_time() - c0, 1)
+    (out / acceptance.FLOOR_FILE).write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    print(f"wrote {out / acceptance.FLOOR_FILE} in {data['seconds']} s ({data['cpu_seconds']} CPU s); "
+          f"epsilon {data['epsilon']['logits']:.2e} in logits", flush=True)
+    return data
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the shipped pair: 1)")
     ap.add_argument("--steps", type=int, default=200, help="target steps (also the drafter's when below 20: a smoke run)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--corpus-mb", type=float, default=6.0)
-    ap.add_argument("--distill", type=int, default=256, help="distillation sequences")
+    ap.add_argument("--distill", type=int, default=1024, help="distillation sequences")
     ap.add_argument("--draft-steps", type=int, default=None)
     ap.add_argument("--draft-batch", type=int, default=16)
     ap.add_argument("--anchors", type=int, default=16, help="blocks per sequence")
     ap.add_argument("--gamma", type=float, default=4.0, help="loss decay exp(-(k-1)/gamma)")
     ap.add_argument("--reuse-target", action="store_true", help="keep --out's target (and tokenizer): train the drafter only")
+    ap.add_argument("--floor", action="store_true", help="only (re)write acceptance_floor.json for --out's pair")
     ap.add_argument("--measure", metavar="TREE", default=None, help="a patched DDTree tree: measure acceptance instead of training")
     ap.add_argument("--block", type=int, default=BLOCK)
     ap.add_argument("--new", type=int, default=64, help="--measure: new tokens per prompt")
@@ -411,8 +449,11 @@ def main(argv=None) -> int:
     if args.measure:
         figures = measure(args)
         print(json.dumps(figures))
+    elif args.floor:
+        write_floor(args)
     else:
         train(args)
+        write_floor(args)
     return 0
 
 

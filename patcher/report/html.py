@@ -1,8 +1,9 @@
 """``ddpatch verify --html FILE``: one offline, self-contained page that shows why the verdict is what it is.
 
-Per model: the checks, then per method an inline SVG of |Δlogit| per new token (the worst run at each
-position) against the calibrated tolerance and the noise floor, near-ties marked on the axis, and
-the acceptance histogram. No script, no network, no plotting library: plain SVG and CSS.
+Per model: the checks; the acceptance histograms of every method side by side, on one scale; then per
+method an inline SVG of |Δlogit| per new token (the worst run at each position) against the calibrated
+tolerance and the noise floor, near-ties marked on the axis. No script, no network, no plotting
+library: plain SVG and CSS.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ import math
 
 from ..results import Outcome
 
-W, H, PAD = 640, 220, 46
+#: the |Δlogit| plot: its size and margins (the right one holds the "tolerance" / "noise floor" labels)
+W, H, PAD, RIGHT = 680, 220, 46, 84
+#: one colour per method of the acceptance panels, in the order the methods ran
+COLOURS = ("#36c", "#e67e22", "#2a6", "#8e44ad", "#c0392b", "#16a085", "#7f8c8d")
 
 
 def _e(text) -> str:
@@ -36,24 +40,25 @@ def dlogit_svg(method: dict, tolerance: float, floor: float | None) -> str:
     values = [v for v in worst.values() if v > 0] + [tolerance] + ([floor] if floor else [])
     lo = 10 ** math.floor(math.log10(max(min(values) / 2, 1e-12)))
     hi = 10 ** math.ceil(math.log10(max(values) * 2))
+    right = W - RIGHT
 
     def x(i):
-        return PAD + (W - 2 * PAD) * (i + 0.5) / n
+        return PAD + (right - PAD) * (i + 0.5) / n
 
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" role="img" '
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" role="img" '
              f'aria-label="|Δlogit| per new token for {_e(method["method"])}">',
-             f'<rect x="{PAD}" y="{PAD // 2}" width="{W - 2 * PAD}" height="{H - 1.5 * PAD}" fill="#fafafa" stroke="#ccc"/>']
+             f'<rect x="{PAD}" y="{PAD // 2}" width="{right - PAD}" height="{H - 1.5 * PAD}" fill="#fafafa" stroke="#ccc"/>']
     decade = lo
     while decade <= hi * 1.0001:
         y = _y(decade, lo, hi)
-        parts.append(f'<line x1="{PAD}" x2="{W - PAD}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>'
+        parts.append(f'<line x1="{PAD}" x2="{right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>'
                      f'<text x="{PAD - 4}" y="{y + 4:.1f}" font-size="10" text-anchor="end">{decade:.0e}</text>')
         decade *= 10
     for value, colour, label in ((tolerance, "#c00", "tolerance"), (floor, "#888", "noise floor")):
         if value:
             y = _y(value, lo, hi)
-            parts.append(f'<line x1="{PAD}" x2="{W - PAD}" y1="{y:.1f}" y2="{y:.1f}" stroke="{colour}" stroke-dasharray="5,3"/>'
-                         f'<text x="{W - PAD + 2}" y="{y + 4:.1f}" font-size="10" fill="{colour}">{label}</text>')
+            parts.append(f'<line x1="{PAD}" x2="{right}" y1="{y:.1f}" y2="{y:.1f}" stroke="{colour}" stroke-dasharray="5,3"/>'
+                         f'<text x="{right + 4}" y="{y + 4:.1f}" font-size="10" fill="{colour}">{label}</text>')
     for i in ties:
         parts.append(f'<rect x="{x(i) - 4:.1f}" y="{H - PAD + 2}" width="8" height="8" fill="#e90">'
                      f'<title>near-tie at new token {i}</title></rect>')
@@ -61,25 +66,61 @@ def dlogit_svg(method: dict, tolerance: float, floor: float | None) -> str:
         colour = "#c00" if d > tolerance else "#2a6"
         parts.append(f'<circle cx="{x(i):.1f}" cy="{_y(max(d, lo), lo, hi):.1f}" r="3" fill="{colour}">'
                      f'<title>new token {i}: |Δlogit| {d:.2e}</title></circle>')
-    parts.append(f'<text x="{W / 2}" y="{H - 6}" font-size="11" text-anchor="middle">new token (■ near-tie)</text></svg>')
+    parts.append(f'<text x="{(PAD + right) / 2}" y="{H - 6}" font-size="11" text-anchor="middle">new token (■ near-tie)</text></svg>')
     return "".join(parts)
 
 
-def histogram_svg(histogram: dict) -> str:
-    if not histogram:
+def acceptance_svg(methods: list[dict], checks: list[dict] | None = None) -> str:
+    """The acceptance histograms of every method side by side, on one scale: the same lengths across, each bar
+    the share of that method's rounds (its count above it), its mean marked, and where an ``acceptance:`` check
+    was judged against a stored floor, the mean of ddpatch's from-scratch reference decode on the same prompts."""
+    drafted = [m for m in methods if m.get("acceptance_histogram")]
+    if not drafted:
         return "<p>no acceptance lengths</p>"
-    items = sorted((int(k), v) for k, v in histogram.items())
-    top = max(v for _, v in items)
-    bar, h = 28, 90
-    width = len(items) * (bar + 6) + 10
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h + 30}" role="img" aria-label="acceptance histogram">']
-    for j, (k, v) in enumerate(items):
-        bh = h * v / top
-        x = 5 + j * (bar + 6)
-        parts.append(f'<rect x="{x}" y="{h - bh + 5:.1f}" width="{bar}" height="{bh:.1f}" fill="#36c"><title>{v} rounds accepted {k}</title></rect>'
-                     f'<text x="{x + bar / 2}" y="{h + 18}" font-size="10" text-anchor="middle">{k}</text>'
-                     f'<text x="{x + bar / 2}" y="{h - bh + 2:.1f}" font-size="9" text-anchor="middle">{v}</text>')
-    return "".join(parts) + "</svg>"
+    judged = {c["check"].split(": ", 1)[1]: c for c in checks or [] if c["check"].startswith("acceptance: ")}
+    hists = [{int(k): v for k, v in m["acceptance_histogram"].items()} for m in drafted]
+    references = [c["reference_mean"] for c in judged.values() if c.get("reference_mean")]
+    longest = max([max(h) for h in hists] + [math.ceil(r) for r in references])  # the same lengths in every panel
+    top = max(v / sum(h.values()) for h in hists for v in h.values())
+    top = min(1.0, math.ceil(top * 1.1 * 10) / 10)  # the shared y scale: headroom, rounded up to a tenth
+    gap, left, head, foot, plot_h = 3, 34, 40, 30, 120
+    bar = max(16, (140 - gap) // longest - gap)  # a panel at least as wide as its title
+    panel = longest * (bar + gap) + gap
+    width = max(left + len(drafted) * (panel + 18), 600)  # room for the caption
+    height = head + plot_h + foot
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" '
+             f'aria-label="acceptance histograms, all methods, one scale">']
+    for tick in (0.0, top / 2, top):
+        y = head + plot_h * (1 - tick / top)
+        parts.append(f'<text x="{left - 4}" y="{y + 3:.1f}" font-size="9" text-anchor="end">{tick:.0%}</text>')
+    for j, (m, h) in enumerate(zip(drafted, hists)):
+        x0, colour, rounds = left + j * (panel + 18), COLOURS[j % len(COLOURS)], sum(h.values())
+        mean = m.get("acceptance_mean", sum(k * v for k, v in h.items()) / rounds)
+        parts.append(f'<rect x="{x0}" y="{head}" width="{panel}" height="{plot_h}" fill="#fafafa" stroke="#ccc"/>'
+                     f'<text x="{x0 + panel / 2}" y="12" font-size="11" font-weight="bold" text-anchor="middle">{_e(m["method"])}</text>'
+                     f'<text x="{x0 + panel / 2}" y="25" font-size="10" text-anchor="middle">mean {mean:.2f} · {rounds} rounds</text>')
+        for k in range(1, longest + 1):
+            v = h.get(k, 0)
+            bh = plot_h * (v / rounds) / top
+            x = x0 + gap + (k - 1) * (bar + gap)
+            if v:
+                parts.append(f'<rect x="{x}" y="{head + plot_h - bh:.1f}" width="{bar}" height="{bh:.1f}" fill="{colour}">'
+                             f'<title>{_e(m["method"])}: {v} of {rounds} rounds accepted {k} ({v / rounds:.0%})</title></rect>'
+                             f'<text x="{x + bar / 2}" y="{head + plot_h - bh - 3:.1f}" font-size="9" text-anchor="middle">{v}</text>')
+            parts.append(f'<text x="{x + bar / 2}" y="{head + plot_h + 12}" font-size="9" text-anchor="middle">{k}</text>')
+
+        def mark(value, stroke, label):
+            xm = x0 + gap + (value - 0.5) * (bar + gap)
+            return (f'<line x1="{xm:.1f}" x2="{xm:.1f}" y1="{head}" y2="{head + plot_h}" stroke="{stroke}" stroke-dasharray="4,2">'
+                    f'<title>{label}</title></line>')
+
+        parts.append(mark(mean, "#000", f"mean acceptance {mean:.2f}"))
+        reference = (judged.get(m["method"]) or {}).get("reference_mean")
+        if reference:
+            parts.append(mark(reference, "#c00", f"ddpatch's from-scratch reference decode: mean {reference:.2f} on the same prompts"))
+    parts.append(f'<text x="{left}" y="{height - 4}" font-size="10">'
+                 "tokens committed per round (share of rounds; count above each bar; dashed: the mean, red: ddpatch's reference decode)</text></svg>")
+    return "".join(parts)
 
 
 def render_html(outcome: Outcome, verdict: str) -> str:
@@ -88,7 +129,8 @@ def render_html(outcome: Outcome, verdict: str) -> str:
     loaded = res.get("loaded") or {}
     out = ["<!doctype html><html><head><meta charset='utf-8'><title>ddpatch verify</title><style>",
            "body{font-family:system-ui,sans-serif;margin:2em;max-width:60em}td,th{padding:2px 8px;text-align:left;vertical-align:top}"
-           ".pass{color:#2a6}.fail{color:#c00;font-weight:bold}.inc{color:#b70;font-weight:bold}section{margin-bottom:2em}",
+           ".pass{color:#2a6}.fail{color:#c00;font-weight:bold}.inc{color:#b70;font-weight:bold}.info{color:#36c}section{margin-bottom:2em}"
+           "svg{max-width:100%;height:auto}",
            "</style></head><body>",
            f"<h1>ddpatch verify</h1><p>{_e(res.get('tree'))}<br>transformers {_e(env.get('transformers'))} · torch {_e(env.get('torch'))}"
            f" · {outcome.seconds:.1f} s</p>"]
@@ -106,15 +148,17 @@ def render_html(outcome: Outcome, verdict: str) -> str:
                        f"{' (set by --logit-tolerance)' if cal.get('override') is not None else ''}; near-tie ε {cal['epsilon']:.2e}</p>")
         out.append("<table><tr><th>check</th><th>result</th><th>evidence</th></tr>")
         for c in m["checks"]:
-            mark = "pass" if c["passed"] else ("inconclusive" if c.get("inconclusive") else "FAIL")
-            css = "pass" if c["passed"] else ("inc" if c.get("inconclusive") else "fail")
+            mark = ("info" if c.get("info") else "skip" if c.get("skipped") else "pass") if c["passed"] else (
+                "inconclusive" if c.get("inconclusive") else "FAIL")
+            css = ("info" if c.get("info") or c.get("skipped") else "pass") if c["passed"] else ("inc" if c.get("inconclusive") else "fail")
             out.append(f"<tr><td>{_e(c['check'])}</td><td class='{css}'>{mark}</td><td>{_e(c.get('evidence', ''))}</td></tr>")
         out.append("</table>")
+        if m.get("methods"):
+            out.append("<h3>acceptance lengths, every method on one scale</h3>" + acceptance_svg(m["methods"], m["checks"]))
         for s in m.get("methods", []):
             out.append(f"<h3>{_e(s['method'])}: {s.get('identical_runs', 0)}/{len(s.get('runs', []))} identical, "
                        f"{s.get('near_ties', 0)} near-tie(s)</h3>")
             out.append(dlogit_svg(s, tolerance, cal.get("floor")))
-            out.append("<p>acceptance lengths</p>" + histogram_svg(s.get("acceptance_histogram", {})))
         out.append("</section>")
     out.append("</body></html>")
     return "\n".join(out)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
-from . import calibration, drafter_oracle, neartie, oracle
+from . import acceptance as accept, calibration, drafter_oracle, neartie, oracle
 from .binding import call_generate, unsupported_sampling
 from .events import emit, error_summary
 from .models import greedy, multi_token_consistent
@@ -213,7 +213,7 @@ def verify_model(label: str, cfg: dict, fns: dict, target, draft, mask_token_id,
                 st.runs.append({"prompt": p_index, "verdict": verdict.as_dict(), "description": verdict.describe(),
                                 "logits": logits.as_dict(), "logits_description": logits.describe(),
                                 "ties": run.ties.as_dict(), "ties_description": run.ties.describe(), "first_partial": partial_at,
-                                **drafter_row})
+                                "acceptance": list(acceptance), **drafter_row})
             done += 1
             emit("progress", done=done, total=total, label=f"{label}: prompt {p_index + 1} {name}")
 
@@ -250,6 +250,9 @@ def verify_model(label: str, cfg: dict, fns: dict, target, draft, mask_token_id,
         checks.append({"check": f"logits == from-scratch: {name}", "passed": bool(judged) and not over and not failed_runs,
                        "evidence": evidence})
         checks.append(drafter_check(name, st.runs, draft_skip))
+        if not (is_preset or scripted):  # a real drafter: its acceptance, judged against a stored floor or reported
+            checks.append(accept.method_check(name, st.runs, cfg.get("acceptance_floor"), cfg.get("acceptance_floor_missing") or
+                                              "no stored floor for this drafter", cfg, dtype, references, checks[-1]))
         if name in distributions:
             d = distributions[name]
             test = oracle.DistributionVerdict(d["statistic"], d["dof"], d["p_value"], d["samples"], d["alpha"])

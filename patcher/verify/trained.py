@@ -5,7 +5,9 @@ and a ``DFlashDraftModel`` (block 8) trained on its features.
 Unlike the random presets, ``--preset trained-qwen3_5`` does not script the draft: it is the same
 verify as ``--target DIR --draft DIR`` on the two folders (``folder_preset_options`` turns the preset
 into those options before the child starts), so the path a user takes with a real checkpoint is the
-path tested, and acceptance comes from the real drafter. This module imports nothing of ``patcher``
+path tested, and acceptance comes from the real drafter. Beside the two folders, ``acceptance_floor.json``
+(``train_tiny_pair.py --floor``) makes that acceptance part of the verdict (``acceptance.py``): the verifier
+finds it next to the ``--draft`` folder, whichever way the folders were named. This module imports nothing of ``patcher``
 (the verifier's child imports it through ``presets``) and torch only inside a function.
 """
 

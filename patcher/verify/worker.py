@@ -176,7 +176,10 @@ def run(cfg: dict) -> dict:
         models.check_fit(target, draft)
         vocab = target.config.get_text_config(decoder=True).vocab_size
         prompts, stops = models.tokenized_prompts(cfg, cfg["prompts"], min(vocab, mask if mask is not None else vocab))
-        cfg = {**cfg, "stop_token_ids": stops}
+        floor, missing = sibling("acceptance").find(cfg)  # a pair with a stored acceptance floor runs on its prompts
+        if floor is not None:
+            prompts = [torch.tensor([ids]) for ids in sibling("acceptance").prompts_of(floor, cfg["prompts"])]
+        cfg = {**cfg, "stop_token_ids": stops, "acceptance_floor": floor, "acceptance_floor_missing": missing}
         events.emit("progress", done=0, total=1, label="loaded " + Path(cfg["target"]).name)
         result["models"].append(checks.verify_model(Path(cfg["target"]).name, cfg, fns, target, draft, mask, False, prompts,
                                              scripted=bool(cfg.get("scripted_draft")),

@@ -1,0 +1,190 @@
+"""``acceptance: METHOD``: the patched tree's acceptance against what a correct tree reaches.
+
+A pair of model folders may carry ``acceptance_floor.json`` beside them (the trained pair does:
+``patcher/data/trained_pair``). ``measure`` makes it with ``reference_decode``: ddpatch's own
+from-scratch chain and tree decoders, run on the pair's prompts, and at every start of each
+prompt's greedy continuation the acceptances a drafter within ``epsilon`` of this one could
+reach (``epsilon`` is the drafter oracle's float32 tolerance on the drafter's output, carried
+through the LM head: a drafter the oracle passes stays within it). It stores the weights' hashes,
+the settings and the command; nothing in it is set by hand.
+
+At verify time, with that pair (same weights, float32, greedy, its block size, a stored budget, at
+most its number of new tokens), the check fails when a method's mean acceptance on a prompt is
+below the lowest mean acceptance any decode within ``epsilon`` reaches on it (``floor``), and
+names the method, the prompt and both figures. A prompt whose greedy continuation differs from
+the stored one (a near-tie of the target on this machine) is left out and said so. Without a
+stored floor the row reports the acceptance next to the drafter oracle's verdict and never fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from .calibration import MULTIPLE
+from .reference_decode import Positions, ScratchPair, decode, floor, walk
+
+FLOOR_FILE = "acceptance_floor.json"
+FORMAT = 1
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def weights_of(folder) -> Path:
+    return Path(folder) / "model.safetensors"
+
+
+# ----------------------------------------------------------------------------- making the floor
+def epsilon(target, draft, prompt, greedy: list[int], mask_id: int, block_size: int) -> dict:
+    """How far (in logits) a correct tree's drafter may sit from the from-scratch one: the drafter oracle's
+    output tolerance on this pair (measured, at least its float32 minimum) times the LM head's largest row
+    L1 norm (|Δlogit| <= |Δhidden|_max * |row|_1)."""
+    import torch
+
+    from .drafter_oracle import calibrate
+
+    cal = calibrate(target, draft, torch.tensor([prompt]), greedy, mask_id, block_size)
+    row = float(target.get_output_embeddings().weight.detach().float().abs().sum(-1).max())
+    tol = cal.tolerances["output"]
+    return {"logits": tol * row, "output_tolerance": tol, "output_floor": cal.floors["output"], "lm_head_max_row_l1": row,
+            "rule": f"drafter oracle output tolerance (max({MULTIPLE:g} x measured floor, float32 minimum)) x largest "
+                    "|LM head row|_1"}
+
+
+def measure(target, draft, target_dir, draft_dir, prompts: list[list[int]], texts: list[str], *, block_size: int,
+            budgets: list[int], max_new_tokens: int, stop_ids: list[int], command: str, progress=print) -> dict:
+    """The floor file's content: per prompt its greedy continuation, and per method the from-scratch
+    reference decode's acceptances and, at every start, the reachable set."""
+    import torch
+    import transformers
+
+    from .models import greedy
+
+    methods = ["dflash"] + [f"ddtree_tb{b}" for b in budgets]
+    pair = ScratchPair(target, draft, draft.mask_token_id, block_size)
+    q = block_size - 1
+    conts = [greedy(target, torch.tensor([p]), max_new_tokens + q) for p in prompts]  # no stop: the positions need it all
+    eps = epsilon(target, draft, prompts[0], conts[0], draft.mask_token_id, block_size)
+    out_prompts = []
+    for i, (prompt, cont) in enumerate(zip(prompts, conts)):
+        pos = Positions(pair, prompt, cont, methods, max_new_tokens, eps["logits"])
+        stop_at = next((j for j, t in enumerate(cont[:max_new_tokens]) if t in stop_ids), None)
+        entry = {"ids": prompt, "greedy": cont, "stop_at": stop_at, "methods": {}}
+        for m in methods:
+            new, rounds = decode(pair, prompt, m, max_new_tokens, stop_ids)
+            if any(a not in r for a, r in zip(pos.reference[m], pos.reachable[m])):
+                raise RuntimeError(f"prompt {i} {m}: a from-scratch acceptance outside its own reachable set")
+            if rounds != walk(pos.reference[m], max_new_tokens, stop_at) or new != cont[: len(new)]:
+                raise RuntimeError(f"prompt {i} {m}: the from-scratch decode disagrees with the per-start reference "
+                                   f"({rounds} against {walk(pos.reference[m], max_new_tokens, stop_at)})")
+            entry["methods"][m] = {"reference_decode": rounds, "at": pos.reference[m], "reachable": pos.reachable[m]}
+        out_prompts.append(entry)
+        progress(f"floor: prompt {i + 1}/{len(prompts)}: " + ", ".join(
+            f"{m} {sum(e['reference_decode']) / len(e['reference_decode']):.2f}" for m, e in entry["methods"].items()))
+    return {
+        "format": FORMAT,
+        "command": command,
+        "made_by": "patcher/verify/reference_decode.py: from-scratch chain and tree decoders, no cache",
+        "weights": {"target": sha256(weights_of(target_dir)), "draft": sha256(weights_of(draft_dir))},
+        "settings": {"dtype": "float32", "greedy": True, "block_size": block_size, "budgets": budgets,
+                     "max_new_tokens": max_new_tokens, "stop_token_ids": stop_ids, "prompts": texts,
+                     "torch": torch.__version__, "transformers": transformers.__version__},
+        "epsilon": eps,
+        "prompts": out_prompts,
+    }
+
+
+# ----------------------------------------------------------------------------- finding it
+def find(cfg: dict) -> tuple[dict | None, str]:
+    """(the stored floor of the ``--target``/``--draft`` pair, '') or (None, why there is none)."""
+    if not cfg.get("draft") or not cfg.get("target"):
+        return None, "no drafter folder"
+    path = Path(cfg["draft"]).resolve().parent / FLOOR_FILE
+    if not path.is_file():
+        return None, "no stored floor for this drafter"
+    try:
+        data = json.loads(path.read_text())
+        stored = data["weights"]
+    except (ValueError, KeyError, OSError) as exc:
+        return None, f"{path} is unreadable ({exc})"
+    for role in ("target", "draft"):
+        w = weights_of(cfg[role])
+        if not w.is_file() or sha256(w) != stored[role]:
+            return None, f"{path.name} beside the drafter was measured on other {role} weights"
+    return data, ""
+
+
+def not_applicable(floor_data: dict, cfg: dict, dtype: str, budget: int | None) -> str | None:
+    """Why the stored floor cannot judge this run (None: it can)."""
+    st = floor_data["settings"]
+    if dtype != st["dtype"]:
+        return f"the floor was measured in {st['dtype']}, this run is {dtype}"
+    if cfg.get("temperature"):
+        return "the floor is for greedy decoding"
+    if cfg["block_size"] != st["block_size"]:
+        return f"the floor was measured at block size {st['block_size']}, this run uses {cfg['block_size']}"
+    if budget is not None and budget not in st["budgets"]:
+        return f"no floor for tree budget {budget} (stored: {', '.join(map(str, st['budgets']))})"
+    if cfg["max_new_tokens"] > st["max_new_tokens"]:
+        return f"the floor covers {st['max_new_tokens']} new tokens, this run decodes {cfg['max_new_tokens']}"
+    if list(cfg.get("stop_token_ids") or []) != list(st["stop_token_ids"]):
+        return "the floor was measured with other stop tokens"
+    return None
+
+
+def prompts_of(floor_data: dict, n: int) -> list[list[int]]:
+    """The prompts the floor was measured on (the first ``n``): verify runs on them."""
+    return [p["ids"] for p in floor_data["prompts"][:n]]
+
+
+# ----------------------------------------------------------------------------- the check
+def _mean(xs) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def method_check(name: str, runs: list[dict], floor_data: dict | None, why_none: str, cfg: dict, dtype: str,
+                 references: list[list[int]], drafter: dict) -> dict:
+    """The ``acceptance: METHOD`` row: judged against the stored floor, or reported (``info``) without one."""
+    check = {"check": f"acceptance: {name}"}
+    done = [r for r in runs if r.get("acceptance")]
+    lengths = [a for r in done for a in r["acceptance"]]
+    mean = _mean(lengths)
+    oracle = f"drafter oracle: {'skip' if drafter.get('skipped') else 'pass' if drafter.get('passed') else 'FAIL'}"
+    budget = int(name.rsplit("tb", 1)[1]) if name.startswith("ddtree_tb") else None
+    reason = why_none if floor_data is None else not_applicable(floor_data, cfg, dtype, budget)
+    if reason or not done:
+        figures = f"mean {mean:.2f} over {len(lengths)} rounds" if done else "no run"
+        return {**check, "passed": True, "info": True, "acceptance_mean": round(mean, 3),
+                "evidence": f"{figures} ({reason or 'nothing to judge'}: reported, not judged); {oracle}"}
+    n, rows, left_out = cfg["max_new_tokens"], [], []
+    for r in done:
+        stored = floor_data["prompts"][r["prompt"]] if r["prompt"] < len(floor_data["prompts"]) else None
+        if stored is None or references[r["prompt"]] != stored["greedy"][: len(references[r["prompt"]])] or not r["verdict"]["identical"]:
+            left_out.append(r["prompt"])
+            continue
+        entry = stored["methods"][name]
+        stop_at = stored["stop_at"] if stored["stop_at"] is not None and stored["stop_at"] < n else None
+        ref = walk(entry["at"], n, stop_at)
+        rows.append({"prompt": r["prompt"], "mean": _mean(r["acceptance"]), "floor": floor(entry["reachable"], n, stop_at),
+                     "reference": _mean(ref), "rounds": len(r["acceptance"]), "reference_rounds": len(ref), "reference_total": sum(ref)})
+    note = f"; prompt(s) {', '.join(map(str, left_out))} left out (greedy continuation differs from the stored one)" if left_out else ""
+    if not rows:
+        return {**check, "passed": True, "info": True, "acceptance_mean": round(mean, 3),
+                "evidence": f"mean {mean:.2f}: no prompt comparable with the stored floor{note}; {oracle}"}
+    below = [row for row in rows if row["mean"] < row["floor"] - 1e-9]
+    ref_mean = sum(row.pop("reference_total") for row in rows) / sum(row["reference_rounds"] for row in rows)  # over rounds
+    check.update(acceptance_mean=round(mean, 3), reference_mean=round(ref_mean, 3), per_prompt=[
+        {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()} for row in rows])
+    if below:
+        b = below[0]
+        return {**check, "passed": False, "evidence": (
+            f"{len(below)}/{len(rows)} prompts below the floor; prompt {b['prompt']}: mean acceptance {b['mean']:.2f} "
+            f"< floor {b['floor']:.2f} (ddpatch's from-scratch reference decode: {b['reference']:.2f}; {b['rounds']} rounds "
+            f"against {b['reference_rounds']}){note}; {oracle}")}
+    low = min(rows, key=lambda row: row["mean"] - row["floor"])
+    return {**check, "passed": True, "evidence": (
+        f"mean {mean:.2f} (reference decode {ref_mean:.2f}), every prompt at or above its floor ({len(rows)} prompts; "
+        f"closest: prompt {low['prompt']} {low['mean']:.2f}, floor {low['floor']:.2f}){note}; {oracle}")}
