@@ -27,8 +27,8 @@ HALF = ["tiny-qwen3_5", "tiny-nemotron-h", "tiny-kimi-linear"]
 pytestmark = pytest.mark.slow
 
 
-def ddpatch(*args):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def ddpatch(*args, env: dict | None = None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "patcher.cli", *map(str, args)], capture_output=True, text=True, cwd=ROOT,
                           timeout=900, env=env)
 
@@ -49,8 +49,8 @@ def folder(trees: Path, name: str) -> Path:
     return path
 
 
-def verify(tree: Path, target: Path, dtype: str, *extra, verdict: bool = False):
-    proc = ddpatch("verify", tree, "--target", target, "--scripted-draft", "--dtype", dtype, *SMALL, *extra)
+def verify(tree: Path, target: Path, dtype: str, *extra, verdict: bool = False, env: dict | None = None):
+    proc = ddpatch("verify", tree, "--target", target, "--scripted-draft", "--dtype", dtype, *SMALL, *extra, env=env)
     assert proc.returncode in (0, 1), proc.stderr
     payload = json.loads(proc.stdout)
     if verdict:
@@ -74,6 +74,19 @@ def test_every_preset_folder_passes_with_the_full_recipe(trees, name, dtype):
     assert all(c.get("inconclusive") for c in failed), failed
     commands = {c.get("float32_command") for c in failed} - {None}
     assert commands and all(f"--target {target}" in c and "--dtype float32" in c for c in commands), failed
+
+
+def test_routing_flips_past_what_is_followed_are_inconclusive_naming_float32_not_fail(trees):
+    """The same run with no flip allowed to be followed (``DDPATCH_VERIFY_MAX_ROUTING_FLIPS=0``): the reference cannot
+    show the decode exact or lossy in bf16, so the verdict is "inconclusive", exit 1, naming the float32 command;
+    never FAIL. The float32 run of the same folder passes."""
+    target = folder(trees, "tiny-deepseek-v3")
+    code, model, verdict = verify(trees / "full", target, "bfloat16", "--seeds", "3", "--prompts", "2", verdict=True,
+                                  env={"DDPATCH_VERIFY_MAX_ROUTING_FLIPS": "0"})
+    failed = [c for c in model["checks"] if not c["passed"]]
+    assert (code, verdict) == (1, "inconclusive") and failed, model["checks"]
+    assert all(c.get("inconclusive") and c["float32_command"].endswith("--dtype float32") for c in failed), failed
+    assert any(c["check"].startswith("logits == from-scratch") for c in failed), "the flip is where the logits part"
 
 
 @pytest.mark.parametrize("name", HALF)

@@ -275,3 +275,30 @@ def test_two_ties_broken_in_two_layers_are_followed_in_causal_order():
     assert verdict.passed, verdict.describe()
     followed = [(f["position"], f["router"]) for f in verdict.routing["followed"]]
     assert followed[:2] == [(swapped[1], "model.layers.1.mlp.gate"), (swapped[2], "model.layers.2.mlp.gate")], followed
+
+
+def _run(passed: bool, routing: dict | None, kind: str = "identical") -> dict:
+    return {"prompt": 0, "logits": {"passed": passed, "routing": routing}, "ties": {"kind": kind}, "drafter": {"passed": True}}
+
+
+TOO_MANY = {"tolerance": 1e-2, "followed": [{}] * routers.MAX_FLIPS, "unexplained": None, "too_many": True}
+UNEXPLAINED = {"tolerance": 1e-2, "followed": [], "unexplained": {"position": 9, "delta": 0.3}, "too_many": False}
+
+
+@pytest.mark.parametrize("runs, dtype, verdict", [
+    ([_run(True, None), _run(False, TOO_MANY, "loss")], "bfloat16", "inconclusive"),  # only unfollowable runs failed
+    ([_run(False, TOO_MANY, "loss")], "float32", "fail"),  # float32 is exact: no tie to follow, never inconclusive
+    ([_run(False, UNEXPLAINED, "loss")], "bfloat16", "fail"),  # a router input that already differs: a real loss
+    ([_run(False, TOO_MANY), _run(False, None, "loss")], "bfloat16", "fail"),  # one failed run has no routing excuse
+    ([_run(False, {**TOO_MANY, "unexplained": UNEXPLAINED["unexplained"]})], "bfloat16", "fail"),
+])
+def test_a_check_is_inconclusive_only_when_every_failed_run_hit_more_flips_than_are_followed(runs, dtype, verdict):
+    """Issue 32: where routing flips cannot all be followed, bf16 says "inconclusive in this dtype" and names the
+    float32 command, never FAIL; a failure routing does not explain stays a failure."""
+    failed = {"check": "logits == from-scratch: dflash", "passed": False, "evidence": "1/2 runs over tolerance"}
+    out = routers.inconclusive(failed, runs, dtype, "ddpatch verify T --target M --dtype float32")
+    assert ("inconclusive" if out.get("inconclusive") else "fail") == verdict, out
+    if verdict == "inconclusive":
+        assert out["float32_command"].endswith("--dtype float32") and "inconclusive in bfloat16" in out["evidence"]
+    passed = {"check": "lossless: dflash", "passed": True, "evidence": "2/2"}
+    assert routers.inconclusive(passed, runs, dtype, "cmd") is passed, "a passing check is never touched"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
-from . import acceptance as accept, calibration, drafter_oracle, neartie, oracle
+from . import acceptance as accept, calibration, drafter_oracle, neartie, oracle, routers
 from .binding import call_generate, unsupported_sampling
 from .events import emit, error_summary
 from .models import greedy, multi_token_consistent
@@ -232,10 +232,11 @@ def verify_model(label: str, cfg: dict, fns: dict, target, draft, mask_token_id,
             distributions[name] = test.as_dict()
             emit("progress", done=done, total=total, label=f"{label}: {name} sampled {cfg['sampling_runs']} times")
 
+    f32 = calibration.float32_command(cfg)
     for name, st in stats.items():
         failed_runs = [r for r in st.runs if "error" in r]
         if not sampling:
-            checks.append(lossless_check(name, st.runs))
+            checks.append(routers.inconclusive(lossless_check(name, st.runs), st.runs, dtype, f32))
         judged = [r for r in st.runs if "logits" in r]
         over = [r for r in judged if not r["logits"]["passed"]]
         worst = max(judged, key=lambda r: r["logits"]["max_abs"], default=None)
@@ -247,9 +248,9 @@ def verify_model(label: str, cfg: dict, fns: dict, target, draft, mask_token_id,
             evidence = f"{len(judged)}/{len(judged)} runs within tolerance; worst: {worst['logits_description']}"
         else:
             evidence = "no run"
-        checks.append({"check": f"logits == from-scratch: {name}", "passed": bool(judged) and not over and not failed_runs,
-                       "evidence": evidence})
-        checks.append(drafter_check(name, st.runs, draft_skip))
+        checks.append(routers.inconclusive({"check": f"logits == from-scratch: {name}", "passed": bool(judged) and not over
+                                            and not failed_runs, "evidence": evidence}, st.runs, dtype, f32))
+        checks.append(routers.inconclusive(drafter_check(name, st.runs, draft_skip), st.runs, dtype, f32))
         if not (is_preset or scripted):  # a real drafter: its acceptance, judged against a stored floor or reported
             checks.append(accept.method_check(name, st.runs, cfg.get("acceptance_floor"), cfg.get("acceptance_floor_missing") or
                                               "no stored floor for this drafter", cfg, dtype, references, checks[-1]))
