@@ -10,9 +10,13 @@ kept prefix. So, for the duration of the context and for the given model instanc
 * every target forward that carries a cache goes through ``verify_forward`` (the first forward of
   prompt lookup and of an assistant covers prompt + candidates at once and is cut right after, so
   prefills are recorded too);
-* the instance attribute ``_is_stateful = False`` shadows the class's refusal.
+* the instance attribute ``_is_stateful = False`` shadows the class's refusal (5.21 - 5.23);
+* a cache such a forward recorded reports ``is_croppable`` (5.24 checks it after the prefill and
+  refuses assisted decoding when a linear-attention layer holds a recurrent state): the runtime's
+  commit makes its crop exact. The cache's class is swapped for a subclass that says so, for the
+  duration of the context, and swapped back on exit.
 
-Both are instance attributes, removed on exit; nothing changes on import and nothing changes for
+All of these are per instance and undone on exit; nothing changes on import and nothing changes for
 other instances. The forward keeps its signature (``functools.wraps``): transformers reads it to
 decide which inputs to build, and MTP needs ``position_ids``.
 
@@ -24,7 +28,8 @@ Forward hooks registered on the model see each cached forward twice (the call fr
 ``verify_forward``'s own call of the model, with the same tensors); ``patcher.verify.generate_mode``
 drops the repeat.
 
-``lossless(model, record=False)`` is the control: the refusal is lifted and nothing is recorded.
+``lossless(model, record=False)`` is the control: the refusals are lifted (5.23's flag, 5.24's
+``is_croppable``) and nothing is recorded.
 It exists so that tests can show that the recording, not the lifting, makes the output exact.
 """
 
@@ -121,23 +126,54 @@ class lossless(contextlib.ContextDecorator):
                 _uninstall(*saved)
             raise
         self._saved.append(frame)
+        if getattr(_STATE, "swapped", None) is None:
+            _STATE.swapped = []
+        _STATE.swapped.append([])
         return self.models[0] if len(self.models) == 1 else self.models
 
     def __exit__(self, *exc):
         for saved in reversed(self._saved.pop()):
             _uninstall(*saved)
+        _restore_caches(_STATE.swapped.pop())
         return False
 
 
 def _install(model, record: bool):
-    """Shadow the class's refusal and (when ``record``) the forward, on this instance only."""
+    """Shadow the class's refusal and the forward (recording, or for the control only lifting), on this instance only."""
     vars_ = vars(model)
     saved = (model, vars_.get("_is_stateful", _MISSING), vars_.get("forward", _MISSING))
     if getattr(model, "_is_stateful", False):
         object.__setattr__(model, "_is_stateful", False)
-    if record:
-        object.__setattr__(model, "forward", _recording_forward(model, model.forward))
+    wrap = _recording_forward if record else _lifting_forward
+    object.__setattr__(model, "forward", wrap(model, model.forward))
     return saved
+
+
+_CROPPABLE: dict = {}  # a cache class -> its subclass that reports is_croppable (the runtime commits its crop exactly)
+
+
+def _croppable(cache) -> None:
+    """Make ``cache`` report ``is_croppable`` while the context lasts (transformers 5.24 refuses assisted decoding
+    on a cache whose linear-attention layers hold a recurrent state; the runtime recorded this one, so its crop is
+    exact). Releases whose ``is_croppable`` already says so, or that have none, are left alone."""
+    if cache is None or getattr(cache, "is_croppable", True):
+        return
+    cls = type(cache)
+    sub = _CROPPABLE.get(cls)
+    if sub is None:
+        sub = _CROPPABLE[cls] = type(cls.__name__, (cls,), {"is_croppable": True, "__module__": cls.__module__,
+                                                           "__ddpatch_croppable__": cls})
+    cache.__class__ = sub
+    stack = getattr(_STATE, "swapped", None)
+    if stack:  # the innermost context of this thread swaps it back on exit
+        stack[-1].append(cache)
+
+
+def _restore_caches(caches: list) -> None:
+    for cache in caches:
+        original = getattr(type(cache), "__ddpatch_croppable__", None)
+        if original is not None:
+            cache.__class__ = original
 
 
 def _uninstall(model, stateful, forward) -> None:
@@ -173,9 +209,25 @@ def _recording_forward(model, original):
             return original(*args, **kwargs)
         inside.add(id(model))
         try:
-            return rt.verify_forward(model, *args, **kwargs)
+            output = rt.verify_forward(model, *args, **kwargs)
         finally:
             inside.discard(id(model))
+        _croppable(cache_of(args, kwargs))
+        return output
+
+    forward.__ddpatch_lossless__ = True
+    return forward
+
+
+def _lifting_forward(model, original):
+    """The control's forward: ``original``, with the cache it was given made to report ``is_croppable`` (the
+    refusal lifted) and nothing recorded, so transformers' own crop alone rolls the state back."""
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        output = original(*args, **kwargs)
+        _croppable(cache_of(args, kwargs))
+        return output
 
     forward.__ddpatch_lossless__ = True
     return forward

@@ -169,6 +169,24 @@ def test_the_forward_keeps_its_signature():
         assert inspect.signature(model.forward) == plain  # transformers builds position_ids from it
 
 
+def test_a_recorded_cache_reports_croppable_inside_the_context_and_its_class_comes_back_on_exit():
+    """transformers 5.24 refuses assisted decoding after the prefill when the cache says it cannot be cropped (a
+    linear-attention layer holds a recurrent state); inside ``lossless`` the runtime commits its crop exactly, so
+    the recorded cache says it can, and only until the context ends."""
+    model = gs.target("tiny-qwen3_5")
+    ids = gs.repeated_prompt(0)
+    seen = []
+    with lossless(model):
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, prompt_lookup_num_tokens=3,
+                             return_dict_in_generate=True)
+        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        seen.append((type(cache), getattr(cache, "is_croppable", True)))
+    assert seen[0][1] is True, "inside the context the recorded cache says it can be cropped"
+    assert not hasattr(type(cache), "__ddpatch_croppable__"), f"{type(cache)} kept ddpatch's class after the context"
+    if hasattr(type(seen[0][0]), "__ddpatch_croppable__"):  # 5.24: the class was swapped, and is swapped back
+        assert type(cache) is type(seen[0][0]).__ddpatch_croppable__
+
+
 def test_decorator_form_is_lossless():
     model = gs.target("tiny-nemotron-h")
     ids = gs.repeated_prompt(1)
@@ -182,7 +200,12 @@ def test_decorator_form_is_lossless():
     assert "forward" not in vars(model)
 
 
-@pytest.mark.skipif(not REFUSES, reason="5.24+: Mamba's forward takes cache=, as every model's does")
+#: up to 5.23 Mamba keeps its state in a cache of its own, taken as ``cache_params=``; 5.24+ passes it ``cache=``
+MAMBA_OWN_CACHE = "cache_params" in __import__("inspect").signature(
+    __import__("transformers").MambaForCausalLM.forward).parameters
+
+
+@pytest.mark.skipif(not MAMBA_OWN_CACHE, reason="5.24+: Mamba's forward takes cache=, as every model's does")
 def test_a_family_it_cannot_roll_back_is_refused_in_one_line():
     from transformers import MambaConfig, MambaForCausalLM
 
