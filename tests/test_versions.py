@@ -49,7 +49,7 @@ def test_this_suite_runs_inside_the_tested_range():
 
 def _matrix_releases() -> list[str]:
     text = (ROOT / ".ci" / "matrix").read_text()
-    match = re.search(r'^RELEASES=\$\{DDPATCH_MATRIX:-"([^"]+)"\}', text, re.M)
+    match = re.search(r'^RELEASES=\$\{DDPATCH_MATRIX:?-"([^"]+)"\}', text, re.M)
     assert match, "RELEASES line not found in .ci/matrix"
     return match.group(1).split()
 
@@ -62,6 +62,35 @@ def test_the_matrix_runs_the_floor_a_middle_release_and_the_newest():
     newest = max(versions)
     assert newest[:2] == (penv.release(HIGH)[0], penv.release(HIGH)[1] - 1), "the matrix must run the newest minor the pin allows"
     assert all(penv.tested_range_status("transformers", r) == "inside" for r in releases)
+
+
+def _matrix_setting(name: str) -> str:
+    match = re.search(rf"^{name}=([\d.]+)$", (ROOT / ".ci" / "matrix").read_text(), re.M)
+    assert match, f"{name}= not found in .ci/matrix"
+    return match.group(1)
+
+
+def _floor(name: str) -> str:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [d for d in deps if re.match(rf"{name}\s*[<>=]", d)]
+    return re.search(r">=\s*([\d.]+)", spec).group(1)
+
+
+def _next_minor(version: str) -> str:
+    major, minor = penv.release(version)[:2]
+    return f"{major}.{minor + 1}"
+
+
+def test_the_tested_ranges_run_from_the_matrix_s_oldest_stack_to_its_newest():
+    """``ddpatch env`` calls tested what CI runs: each range starts at what the matrix's oldest stack
+    installs (pyproject.toml's floors of torch, accelerate and libcst; Python 3.11) and ends at the
+    minor after its newest stack (Python 3.13, torch 2.15.0)."""
+    assert penv.TESTED_RANGES["python"] == (_matrix_setting("OLDEST_PYTHON"), _next_minor(_matrix_setting("NEWEST_PYTHON")))
+    assert penv.TESTED_RANGES["torch"] == (_floor("torch"), _next_minor(_matrix_setting("NEWEST_TORCH")))
+    for name in ("accelerate", "libcst"):
+        assert penv.TESTED_RANGES[name][0] == _floor(name), name
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert requires == f">={_matrix_setting('OLDEST_PYTHON')}", "requires-python is the oldest Python CI runs"
 
 
 def test_ci_run_runs_the_readme_command_then_the_matrix_and_fails_with_it():
