@@ -62,7 +62,10 @@ def _fake_versions(monkeypatch, **versions):
 
 
 def test_environment_lists_every_package_with_its_status(monkeypatch):
-    _fake_versions(monkeypatch, **{"transformers": "5.25.0", "fla": None, "causal-conv1d": "1.5.2", "flash-attn": None})
+    # every version given, so the columns' widths do not depend on what is installed (torch 2.15.0 is narrower)
+    monkeypatch.setattr(penv.platform, "python_version", lambda: "3.11.7")
+    _fake_versions(monkeypatch, **{"torch": "2.13.0+cpu", "transformers": "5.25.0", "accelerate": "1.16.0", "libcst": "1.9.0",
+                                   "fla": None, "causal-conv1d": "1.5.2", "flash-attn": None})
     info = penv.environment(with_device=False)
     rows = {c["name"]: c for c in info["components"]}
     assert list(rows) == ["python", "torch", "transformers", "accelerate", "libcst", "fla", "causal-conv1d", "flash-attn"]
