@@ -109,6 +109,51 @@ def test_the_matrix_script_parses():
     subprocess.run(["bash", "-n", str(ROOT / ".ci" / "run")], check=True)
 
 
+def _junit(path: Path, **cases: str) -> None:
+    """A JUnit report as pytest writes it: test name -> passed | skipped | failed."""
+    body = {"passed": "", "skipped": '<skipped type="pytest.skip" message="5.24+: not here"/>',
+            "failed": '<failure message="boom"/>'}
+    path.write_text('<testsuites><testsuite name="pytest">' + "".join(
+        f'<testcase classname="tests.test_x" name="{name}">{body[result]}</testcase>' for name, result in cases.items())
+        + "</testsuite></testsuites>")
+
+
+def test_the_skip_check_passes_only_when_each_skipped_test_ran_in_another_cell(tmp_path):
+    """.ci/skips: a test skipped on one release must run (pass) on another; skipped everywhere, or
+    failed where it was not skipped, is a gap (exit 1, named)."""
+    cells = tmp_path / "junit"
+    cells.mkdir()
+    _junit(cells / "transformers-5.21.0--lossless.xml", test_mamba="passed", test_other="passed")
+    _junit(cells / "transformers-5.25.0--lossless.xml", test_mamba="skipped", test_other="passed")
+    run = [sys.executable, str(ROOT / ".ci" / "skips"), str(cells)]
+    ok = subprocess.run(run, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout
+    assert "tests.test_x::test_mamba" in ok.stdout and "ran in: transformers-5.21.0--lossless" in ok.stdout
+    _junit(cells / "transformers-5.21.0--lossless.xml", test_mamba="failed", test_other="passed")
+    gap = subprocess.run(run, capture_output=True, text=True)
+    assert gap.returncode == 1 and "ran in: NOWHERE" in gap.stdout, gap.stdout
+    suite = tmp_path / "suite.xml"
+    _junit(suite, test_mamba="passed")
+    assert subprocess.run(run + [str(suite)], capture_output=True, text=True).returncode == 0
+
+
+def test_ci_reads_the_ranges_from_pyproject():
+    """.ci/run and .ci/matrix keep no second copy of pyproject.toml's ranges: .ci/requirements.py reads them."""
+    def req(*args):
+        return subprocess.run([sys.executable, str(ROOT / ".ci" / "requirements.py"), *args], capture_output=True,
+                              text=True, check=True).stdout.split()
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [d.replace(" ", "") for d in deps if d.startswith("transformers")]
+    assert req("spec", "transformers") == [spec]
+    assert req("floor", "torch") == [".".join((_floor("torch").split(".") + ["0", "0"])[:3])]
+    oldest = req("env", "--floor", "torch", "--floor", "accelerate", "--floor", "libcst")
+    assert f"torch=={req('floor', 'torch')[0]}" in oldest and spec in oldest and any(r.startswith("pytest") for r in oldest)
+    assert f"torch==2.15.0" in req("env", "--pin", "torch==2.15.0")
+    run = (ROOT / ".ci" / "run").read_text()
+    assert "requirements.py spec transformers" in run and "transformers>=" not in run
+
+
 def test_the_workflow_verifies_on_the_newest_transformers():
     from patcher.ci.workflow import workflow_template
 
