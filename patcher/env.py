@@ -26,7 +26,7 @@ TESTED_RANGES: dict[str, tuple[str, str]] = {
     "python": ("3.11", "3.14"),  # 3.11 (the suite, the transformers releases, the oldest stack), 3.13 (the newest stack)
     "torch": ("2.6", "2.16"),  # 2.6.0 (the oldest stack), 2.13.0 (the suite, the releases), 2.15.0 (the newest stack)
     "transformers": ("5.21", "5.26"),  # 5.21.0, 5.23.0, 5.24.0, 5.25.0 (the matrix), the newest in range (the suite, stacks)
-    "accelerate": ("1.0", "1.17"),  # 1.0.0 (the oldest stack), 1.16.0 (the rest)
+    "accelerate": ("1.1", "1.17"),  # 1.1.0 (the oldest stack; transformers needs it), 1.16.0 (the rest)
     "libcst": ("1.5", "1.10"),  # 1.5.0 (the oldest stack), 1.9.0 (the rest)
 }
 

@@ -101,12 +101,12 @@ def test_a_missing_optional_kernel_keeps_the_environment_tested(monkeypatch):
 
 def test_the_tested_ranges_are_the_measured_ones():
     """Literal expectations: what CI runs (.ci/run, .ci/matrix; docs/transformers.md gives the figures):
-    Python 3.11 and 3.13, torch 2.6.0 to 2.15.0, accelerate 1.0.0 and 1.16.0, libcst 1.5.0 and 1.9.0."""
+    Python 3.11 and 3.13, torch 2.6.0 to 2.15.0, accelerate 1.1.0 and 1.16.0, libcst 1.5.0 and 1.9.0."""
     for name, version, status in (("python", "3.10.14", "below"), ("python", "3.11.0", "inside"),
                                   ("python", "3.13.1", "inside"), ("python", "3.14.0", "above"),
                                   ("torch", "2.5.1", "below"), ("torch", "2.6.0", "inside"),
                                   ("torch", "2.15.0", "inside"), ("torch", "2.16.0", "above"),
-                                  ("accelerate", "0.34.2", "below"), ("accelerate", "1.0.0", "inside"),
+                                  ("accelerate", "1.0.0", "below"), ("accelerate", "1.1.0", "inside"),
                                   ("accelerate", "1.16.0", "inside"), ("accelerate", "1.17.0", "above"),
                                   ("libcst", "1.4.0", "below"), ("libcst", "1.5.0", "inside"),
                                   ("libcst", "1.9.0", "inside"), ("libcst", "1.10.0", "above"),
