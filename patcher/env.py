@@ -17,14 +17,17 @@ import sys
 from dataclasses import asdict, dataclass
 from importlib import metadata
 
-#: name -> (lowest tested release, first release above the range). ``transformers`` must equal the
-#: pin in pyproject.toml (tests/test_versions.py checks it); the others are what the suite ran on.
+#: name -> (lowest tested release, first release above the range): the releases CI runs (.ci/run and
+#: its version matrix, .ci/matrix), from the oldest stack to the minor after the newest.
+#: ``transformers`` must equal the pin in pyproject.toml, the other lows its floors and the matrix's
+#: oldest stack, the python and torch highs its newest stack (tests/test_versions.py checks each);
+#: accelerate and libcst are the newest on the index when CI last ran (1.16.0, 1.9.0) and the floors.
 TESTED_RANGES: dict[str, tuple[str, str]] = {
-    "python": ("3.11", "3.14"),  # 3.11 (CI), 3.12 and 3.13 (the demo and the fast tier, docs/transformers.md)
-    "torch": ("2.6", "2.16"),  # 2.6.0 (the floor), 2.13.0 (CI), 2.15.0 (the newest on the index)
-    "transformers": ("5.21", "5.26"),
-    "accelerate": ("1.0", "2"),
-    "libcst": ("1.5", "2"),
+    "python": ("3.11", "3.14"),  # 3.11 (the suite, the transformers releases, the oldest stack), 3.13 (the newest stack)
+    "torch": ("2.6", "2.16"),  # 2.6.0 (the oldest stack), 2.13.0 (the suite, the releases), 2.15.0 (the newest stack)
+    "transformers": ("5.21", "5.26"),  # 5.21.0, 5.23.0, 5.24.0, 5.25.0 (the matrix), the newest in range (the suite, stacks)
+    "accelerate": ("1.1", "1.17"),  # 1.1.0 (the oldest stack; transformers needs it), 1.16.0 (the rest)
+    "libcst": ("1.5", "1.10"),  # 1.5.0 (the oldest stack), 1.9.0 (the rest)
 }
 
 #: what ``ddpatch env`` lists: (label, distribution name on the index, optional)

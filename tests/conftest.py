@@ -56,6 +56,22 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_report_header(config):
+    """What this run tests, on the first lines of its output: CI installs the newest transformers in
+    range (.ci/run), and a run's result means something only next to the versions it ran on."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    def have(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return [f"ddpatch versions: python {platform.python_version()}, "
+            + ", ".join(f"{n} {have(n)}" for n in ("torch", "transformers", "accelerate", "libcst"))]
+
+
 def _group(item) -> str:
     """The xdist group of a test: its variant for the drift suite, else its file."""
     path = item.nodeid.split("::")[0]

@@ -1,4 +1,4 @@
-"""The whole recipe, in diff mode, over the installed transformers and torch packages.
+"""The whole recipe, in diff mode, over real trees: the installed transformers and torch packages, and vendored/.
 
 Real trees, thousands of files nobody wrote for ddpatch: the run must not crash on any
 file (a file that is not valid Python may be skipped, nothing else), every reported site
@@ -7,35 +7,40 @@ the syntax tree for a sample), the counts must stay in plausible bounds, and the
 prefilters must not lose a site (checked on a sample of the files they turned away).
 
 The whole packages take minutes (``slow``, run by ``.ci/run``). The fast tier runs the same
-tests on a fixed sample of each (``SAMPLE``, 2.5 s): a file for every kind of site the whole
-scan finds, files each prefilter turns away, and the hybrid model's own modeling and cache
-files; on the versions it was measured on, every sample file has exactly its recorded sites.
+tests on a fixed sample of each (``corpus_support.SAMPLE``, a few seconds): a file for every
+kind of site the whole scan finds, files each prefilter turns away, and the hybrid model's own
+modeling and cache files. ``vendored`` is our own upstream-shaped DDTree and DFlash code: the
+one corpus with a decode loop, so the only one with ``verify-forward``, ``draft-sliding-window``
+and ``tree-commit`` sites.
+
+Exact sites are data, per release (``tests/data/corpus_sites/``, written and reviewed with
+``python3 tests/corpus_support.py``): on a release that was measured, the sample has exactly its
+recorded sites per file and the whole package exactly its recorded count per kind; on another
+release that test skips, naming the command that measures it, and only the bounds hold. The
+version matrix (``.ci/matrix``) runs this file on each release it was measured on.
 """
 
 from __future__ import annotations
 
 import ast
-import importlib.metadata
-import importlib.util
-import shutil
 import random
 import re
 import warnings
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
+from corpus_support import RECIPE, VENDORED, installed_release, package_root, recorded, recorded_vendored, sample_tree
+from corpus_support import sites_per_file, sites_per_kind
 from patcher.engine.codemods import CODEMODS
 from patcher.engine.files import read_source
 from patcher.engine.pipeline import discover, prefilter, prefilter_tree, run_recipe, transform_source
-from patcher.engine.recipe import load_recipe
 
-RECIPE = load_recipe("qwen3_6-gdn")
 SPECS = [(spec, CODEMODS[spec.codemod]) for spec in RECIPE.steps]
 
-#: Sites per step and status: measured on transformers 5.23.0 and torch 2.13.0, with room
-#: for a patch release; a step that starts matching far more (or nothing) needs a look.
+#: Sites per step and status in a whole package, on every release of the range: measured on
+#: transformers 5.21.0 to 5.25.0 and torch 2.6.0 to 2.15.0 (tests/data/corpus_sites/), with room for
+#: a patch release; a step that starts matching far more (or nothing) needs a look.
 BOUNDS = {
     "transformers": {
         ("input-embeddings", "applied"): (1, 20),
@@ -44,6 +49,8 @@ BOUNDS = {
         ("cpu-safe-timing", "fixed-upstream"): (1, 10),
         # 5.x counts (pi0's `crop(n - get_seq_length())`, `crop(-n)`): left alone since crops are read by meaning
         ("crop-compat", "fixed-upstream"): (1, 10),
+        # transformers' own `<cache>.activate_past_recording(...)` (generate()'s MTP and assistant caches) go through record_past
+        ("crop-compat", "applied"): (1, 10),
         ("lazy-datasets", "fixed-upstream"): (1, 5),
     },
     "torch": {
@@ -52,77 +59,33 @@ BOUNDS = {
     },
 }
 
-#: The fast tier's sample: paths inside each package, chosen on transformers 5.23.0 and torch 2.13.0.
-SAMPLE = {
-    "transformers": [
-        "modelcard.py", "integrations/neftune.py", "models/shieldgemma2/modeling_shieldgemma2.py", "integrations/deepgemm.py",
-        "distributed/pipeline_parallel.py", "models/pi0/modeling_pi0.py", "models/kosmos2/modeling_kosmos2.py",
-        # turned away by the syntax-tree prefilter
-        "integrations/sdpa_paged.py", "models/jev/modeling_jev.py", "integrations/eager_paged.py",
-        # the hybrid model and the cache ddpatch patches code for: no site of its own
-        "models/qwen3_5/modeling_qwen3_5.py", "models/qwen3_5/configuration_qwen3_5.py", "cache_utils.py",
-    ],
-    "torch": [
-        "_inductor/codegen/rocm/rocm_benchmark_request.py", "_vendor/quack/bench/bench_utils.py", "autograd/profiler_legacy.py",
-        "_inductor/codegen/mtia/device_op_overrides.py", "mps/event.py",  # turned away by the syntax-tree prefilter
-        "nn/modules/linear.py", "utils/benchmark/utils/timer.py",
-    ],
-}
-#: Every site of the sample, per file (step|status: count); each package's ``__init__.py`` next to
-#: a sample file comes with it (it decides how the runtime is imported).
-SAMPLE_SITES = {
-    "transformers": {
-        "modelcard.py": {"lazy-datasets|fixed-upstream": 1},
-        "distributed/pipeline_parallel.py": {"cpu-safe-timing|fixed-upstream": 1},
-        "integrations/deepgemm.py": {"cpu-safe-timing|applied": 1},
-        "integrations/neftune.py": {"input-embeddings|fixed-upstream": 4},
-        "models/kosmos2/modeling_kosmos2.py": {"input-embeddings|applied": 2},
-        "models/pi0/modeling_pi0.py": {"input-embeddings|fixed-upstream": 2, "crop-compat|fixed-upstream": 1},
-        "models/shieldgemma2/modeling_shieldgemma2.py": {"input-embeddings|fixed-upstream": 1},
-    },
-    "torch": {
-        "_inductor/codegen/rocm/rocm_benchmark_request.py": {"cpu-safe-timing|applied": 1},
-        "_vendor/quack/bench/bench_utils.py": {"cpu-safe-timing|applied": 5},
-        "autograd/profiler_legacy.py": {"cpu-safe-timing|fixed-upstream": 1},
-    },
-}
-MEASURED = {"transformers": "5.23.0", "torch": "2.13.0"}
+#: The steps whose syntax-tree check (test_sampled_sites_on_the_syntax_tree) only ``vendored`` reaches.
+DECODE_LOOP_CHECKS = {"verify-forward|applied", "draft-sliding-window|applied", "crop-compat|applied"}
 
 SKIP_RECEIVER = re.compile(r"(?:self|cls)\.(?:model\.embed_tokens|get_input_embeddings\(\)|language_model\.embed_tokens)")
 #: What the source at a site starts with (the site's column), per step.
 SHAPES = {
     "input-embeddings": re.compile(r"[\w.()\[\]]*?\.(?:model\.embed_tokens|get_input_embeddings\(\)|language_model\.embed_tokens)|[\w.]+\([^()]*\)\.get_input_embeddings\(\)"),
     "cpu-safe-timing": re.compile(r"(?:torch\.cuda\.|cuda\.)?(?:synchronize|set_device)\("),
-    "crop-compat": re.compile(r"[\w.]+\.crop\(|_ddpatch_runtime\.crop_cache\("),  # self.cache.crop(-n) too
+    # self.cache.crop(-n) too; and a cache's past recording, which goes through record_past
+    "crop-compat": re.compile(r"[\w.]+\.(?:crop|activate_past_recording)\(|_ddpatch_runtime\.(?:crop_cache|record_past)\("),
     "draft-sliding-window": re.compile(r"[\w.]+\s*\(|_ddpatch_runtime\.draft_forward\("),
     "verify-forward": re.compile(r"[\w.]+\s*\(|_ddpatch_runtime\.verify_forward\("),
     "lazy-datasets": re.compile(r"(?:from\s+datasets\b|import\s+datasets\b)"),
-    "attn-fallback": re.compile(r"raise\b|\w*attn_implementation\s*=|\(?\s*\"flash_attention_2\" if importlib"),
+    # a hard requirement (raise, a forced implementation), or upstream's own choice at run time
+    "attn-fallback": re.compile(r"raise\b|\w*attn_implementation\s*=|\(?\s*\"flash_attention_2\" if\b"),
     "target-cache-config": re.compile(r"[\w.]*DynamicCache\(|[\w.]*target\("),
     "tree-commit": re.compile(r"def compact_dynamic_cache\("),
 }
 
 
-def package_root(name: str) -> Path:
-    return Path(importlib.util.find_spec(name).submodule_search_locations[0])
-
-
-def sample_tree(name: str, dest: Path) -> Path:
-    root = package_root(name)
-    for rel in SAMPLE[name]:
-        if not (root / rel).is_file():
-            continue  # another release moved it; what is left is still scanned
-        for src in (root / rel, (root / rel).parent / "__init__.py"):
-            if src.is_file():
-                (dest / src.relative_to(root)).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(src, dest / src.relative_to(root))
-    return dest
-
-
 @pytest.fixture(scope="module", params=[pytest.param("transformers", marks=pytest.mark.slow),
-                                        pytest.param("torch", marks=pytest.mark.slow), "transformers-sample", "torch-sample"])
+                                        pytest.param("torch", marks=pytest.mark.slow), "transformers-sample", "torch-sample",
+                                        "vendored"])
 def corpus(request, tmp_path_factory):
-    """(name, root, report): a whole package, or its sample (``name`` ends in ``-sample``)."""
+    """(name, root, report): a whole package, its sample (``name`` ends in ``-sample``), or vendored/."""
+    if request.param == "vendored":
+        return request.param, VENDORED, run_recipe(RECIPE, VENDORED)
     package, _, sample = request.param.partition("-")
     if sample:
         root = sample_tree(package, tmp_path_factory.mktemp(request.param))
@@ -150,19 +113,38 @@ def test_no_file_crashes(corpus):
 
 
 def test_site_counts_are_plausible(corpus):
+    """Bounds that hold on every release: the kinds a package's sites may have, and how many of each
+    a whole package has; vendored/ has a site of every step of the recipe (it was written to)."""
     name, _root, report = corpus
+    if name == "vendored":
+        assert {s.step for f in report.files for s in f.sites} == {spec.id for spec in RECIPE.steps}
+        return
     if name.endswith("-sample"):
-        name = name.removesuffix("-sample")
-        found = {f.path: dict(Counter(f"{s.step}|{s.status}" for s in f.sites)) for f in report.files if f.sites}
-        if importlib.metadata.version(name).split("+")[0] == MEASURED[name]:
-            assert found == SAMPLE_SITES[name]
-        else:  # another release: the kinds are still those of the whole package's bounds
-            assert {k for sites in found.values() for k in sites} <= {f"{s}|{st}" for s, st in BOUNDS[name]}, found
+        kinds = {k for sites in sites_per_file(report).values() for k in sites}
+        assert kinds <= {f"{s}|{st}" for s, st in BOUNDS[name.removesuffix("-sample")]}, kinds
         return
     counts = Counter((s.step, s.status) for f in report.files for s in f.sites)
     assert set(counts) <= set(BOUNDS[name]), f"sites of an unexpected kind: {set(counts) - set(BOUNDS[name])}"
     for key, (low, high) in BOUNDS[name].items():
         assert low <= counts[key] <= high, f"{key}: {counts[key]} sites, expected {low}..{high}"
+
+
+def test_sites_are_the_ones_recorded_for_this_release(corpus):
+    """The exact sites, from tests/data/corpus_sites/: per file for a sample and vendored/, per kind for
+    a whole package. Skips (naming the command that measures it) on a release never measured."""
+    name, _root, report = corpus
+    if name == "vendored":
+        assert sites_per_file(report) == recorded_vendored()
+        return
+    package = name.removesuffix("-sample")
+    data = recorded(package)
+    if data is None:
+        pytest.skip(f"no sites recorded for {package} {installed_release(package)}: "
+                    f"python3 tests/corpus_support.py --write {package}, then review the diff")
+    if name.endswith("-sample"):
+        assert sites_per_file(report) == data["sample"]
+    else:
+        assert sites_per_kind(report) == data["package_sites"]
 
 
 def test_every_site_is_what_its_step_matches(corpus):
@@ -203,15 +185,17 @@ class _Tree:
 
 
 def test_sampled_sites_on_the_syntax_tree(corpus):
-    """A closer look at a sample of sites: the syntax the step is about, not just the text."""
-    _name, _root, report = corpus
+    """A closer look at a sample of sites: the syntax the step is about, not just the text. vendored/
+    reaches every check (its sites are fewer than the sample's size, so all are looked at)."""
+    name, _root, report = corpus
     sites = [(f, s) for f in report.files for s in f.sites]
     trees: dict[str, _Tree] = {}
+    checked = set()
     for f, site in random.Random(0).sample(sites, min(60, len(sites))):
         tree = trees.get(f.path) or trees.setdefault(f.path, _Tree(f.original))
         if site.step in ("draft-sliding-window", "verify-forward") and site.status == "applied":
             call = tree.node(site, ast.Call)
-            assert any(k.arg == "past_key_values" for k in call.keywords)
+            assert any(k.arg in ("past_key_values", "cache") for k in call.keywords), f"{f.path}:{site.line}: no cache passed"
             assert tree.in_loop(call), f"{f.path}:{site.line}: not in a loop"
         elif site.step == "input-embeddings":
             tree.node(site, ast.Attribute, ast.Call)
@@ -219,7 +203,16 @@ def test_sampled_sites_on_the_syntax_tree(corpus):
             assert isinstance(tree.node(site, ast.Expr).value, ast.Call)
         elif site.step == "crop-compat" and site.status == "applied":
             call = tree.node(site, ast.Call)
-            assert isinstance(call.func, ast.Attribute) and call.func.attr == "crop" and len(call.args) == 1
+            assert isinstance(call.func, ast.Attribute), f"{f.path}:{site.line}: not a method call"
+            if call.func.attr == "crop":  # a 4.x length: one positional argument
+                assert len(call.args) == 1 and not call.keywords, f"{f.path}:{site.line}: {ast.unparse(call)}"
+            else:  # a past recording, whatever its arguments
+                assert call.func.attr == "activate_past_recording", f"{f.path}:{site.line}: {ast.unparse(call)}"
+        else:
+            continue
+        checked.add(f"{site.step}|{site.status}")
+    if name == "vendored":
+        assert DECODE_LOOP_CHECKS <= checked, f"checks vendored/ never reached: {DECODE_LOOP_CHECKS - checked}"
 
 
 def test_prefilters_lose_no_site(corpus):

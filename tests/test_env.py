@@ -62,7 +62,10 @@ def _fake_versions(monkeypatch, **versions):
 
 
 def test_environment_lists_every_package_with_its_status(monkeypatch):
-    _fake_versions(monkeypatch, **{"transformers": "5.25.0", "fla": None, "causal-conv1d": "1.5.2", "flash-attn": None})
+    # every version given, so the columns' widths do not depend on what is installed (torch 2.15.0 is narrower)
+    monkeypatch.setattr(penv.platform, "python_version", lambda: "3.11.7")
+    _fake_versions(monkeypatch, **{"torch": "2.13.0+cpu", "transformers": "5.25.0", "accelerate": "1.16.0", "libcst": "1.9.0",
+                                   "fla": None, "causal-conv1d": "1.5.2", "flash-attn": None})
     info = penv.environment(with_device=False)
     rows = {c["name"]: c for c in info["components"]}
     assert list(rows) == ["python", "torch", "transformers", "accelerate", "libcst", "fla", "causal-conv1d", "flash-attn"]
@@ -97,11 +100,18 @@ def test_a_missing_optional_kernel_keeps_the_environment_tested(monkeypatch):
 
 
 def test_the_tested_ranges_are_the_measured_ones():
-    """Literal expectations (docs/transformers.md measured each): Python 3.11-3.13, torch 2.6-2.15."""
+    """Literal expectations: what CI runs (.ci/run, .ci/matrix; docs/transformers.md gives the figures):
+    Python 3.11 and 3.13, torch 2.6.0 to 2.15.0, accelerate 1.1.0 and 1.16.0, libcst 1.5.0 and 1.9.0."""
     for name, version, status in (("python", "3.10.14", "below"), ("python", "3.11.0", "inside"),
                                   ("python", "3.13.1", "inside"), ("python", "3.14.0", "above"),
-                                  ("torch", "2.4.0", "below"), ("torch", "2.6.0", "inside"),
-                                  ("torch", "2.15.0", "inside"), ("torch", "2.16.0", "above")):
+                                  ("torch", "2.5.1", "below"), ("torch", "2.6.0", "inside"),
+                                  ("torch", "2.15.0", "inside"), ("torch", "2.16.0", "above"),
+                                  ("accelerate", "1.0.0", "below"), ("accelerate", "1.1.0", "inside"),
+                                  ("accelerate", "1.16.0", "inside"), ("accelerate", "1.17.0", "above"),
+                                  ("libcst", "1.4.0", "below"), ("libcst", "1.5.0", "inside"),
+                                  ("libcst", "1.9.0", "inside"), ("libcst", "1.10.0", "above"),
+                                  ("transformers", "5.20.2", "below"), ("transformers", "5.21.0", "inside"),
+                                  ("transformers", "5.25.0", "inside"), ("transformers", "5.26.0", "above")):
         assert penv.tested_range_status(name, version) == status, (name, version)
 
 

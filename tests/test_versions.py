@@ -54,7 +54,7 @@ def test_this_suite_runs_inside_the_tested_range():
 
 def _matrix_releases() -> list[str]:
     text = (ROOT / ".ci" / "matrix").read_text()
-    match = re.search(r'^RELEASES=\$\{DDPATCH_MATRIX:-"([^"]+)"\}', text, re.M)
+    match = re.search(r'^RELEASES=\$\{DDPATCH_MATRIX:?-"([^"]+)"\}', text, re.M)
     assert match, "RELEASES line not found in .ci/matrix"
     return match.group(1).split()
 
@@ -68,6 +68,35 @@ def test_the_matrix_runs_the_floor_a_middle_release_and_the_newest():
     assert any(min(versions) < v < newest for v in versions), f"no release between the floor and the newest: {releases}"
     assert newest[:2] == (penv.release(HIGH)[0], penv.release(HIGH)[1] - 1), "the matrix must run the newest minor the pin allows"
     assert all(penv.tested_range_status("transformers", r) == "inside" for r in releases)
+
+
+def _matrix_setting(name: str) -> str:
+    match = re.search(rf"^{name}=([\d.]+)$", (ROOT / ".ci" / "matrix").read_text(), re.M)
+    assert match, f"{name}= not found in .ci/matrix"
+    return match.group(1)
+
+
+def _floor(name: str) -> str:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [d for d in deps if re.match(rf"{name}\s*[<>=]", d)]
+    return re.search(r">=\s*([\d.]+)", spec).group(1)
+
+
+def _next_minor(version: str) -> str:
+    major, minor = penv.release(version)[:2]
+    return f"{major}.{minor + 1}"
+
+
+def test_the_tested_ranges_run_from_the_matrix_s_oldest_stack_to_its_newest():
+    """``ddpatch env`` calls tested what CI runs: each range starts at what the matrix's oldest stack
+    installs (pyproject.toml's floors of torch, accelerate and libcst; Python 3.11) and ends at the
+    minor after its newest stack (Python 3.13, torch 2.15.0)."""
+    assert penv.TESTED_RANGES["python"] == (_matrix_setting("OLDEST_PYTHON"), _next_minor(_matrix_setting("NEWEST_PYTHON")))
+    assert penv.TESTED_RANGES["torch"] == (_floor("torch"), _next_minor(_matrix_setting("NEWEST_TORCH")))
+    for name in ("accelerate", "libcst"):
+        assert penv.TESTED_RANGES[name][0] == _floor(name), name
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert requires == f">={_matrix_setting('OLDEST_PYTHON')}", "requires-python is the oldest Python CI runs"
 
 
 def test_ci_run_runs_the_readme_command_then_the_matrix_and_fails_with_it():
@@ -84,6 +113,51 @@ def test_ci_run_runs_the_readme_command_then_the_matrix_and_fails_with_it():
 def test_the_matrix_and_ci_run_scripts_parse():
     subprocess.run(["bash", "-n", str(ROOT / ".ci" / "matrix")], check=True)
     subprocess.run(["bash", "-n", str(ROOT / ".ci" / "run")], check=True)
+
+
+def _junit(path: Path, **cases: str) -> None:
+    """A JUnit report as pytest writes it: test name -> passed | skipped | failed."""
+    body = {"passed": "", "skipped": '<skipped type="pytest.skip" message="5.24+: not here"/>',
+            "failed": '<failure message="boom"/>'}
+    path.write_text('<testsuites><testsuite name="pytest">' + "".join(
+        f'<testcase classname="tests.test_x" name="{name}">{body[result]}</testcase>' for name, result in cases.items())
+        + "</testsuite></testsuites>")
+
+
+def test_the_skip_check_passes_only_when_each_skipped_test_ran_in_another_cell(tmp_path):
+    """.ci/skips: a test skipped on one release must run (pass) on another; skipped everywhere, or
+    failed where it was not skipped, is a gap (exit 1, named)."""
+    cells = tmp_path / "junit"
+    cells.mkdir()
+    _junit(cells / "transformers-5.21.0--lossless.xml", test_mamba="passed", test_other="passed")
+    _junit(cells / "transformers-5.25.0--lossless.xml", test_mamba="skipped", test_other="passed")
+    run = [sys.executable, str(ROOT / ".ci" / "skips"), str(cells)]
+    ok = subprocess.run(run, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout
+    assert "tests.test_x::test_mamba" in ok.stdout and "ran in: transformers-5.21.0--lossless" in ok.stdout
+    _junit(cells / "transformers-5.21.0--lossless.xml", test_mamba="failed", test_other="passed")
+    gap = subprocess.run(run, capture_output=True, text=True)
+    assert gap.returncode == 1 and "ran in: NOWHERE" in gap.stdout, gap.stdout
+    suite = tmp_path / "suite.xml"
+    _junit(suite, test_mamba="passed")
+    assert subprocess.run(run + [str(suite)], capture_output=True, text=True).returncode == 0
+
+
+def test_ci_reads_the_ranges_from_pyproject():
+    """.ci/run and .ci/matrix keep no second copy of pyproject.toml's ranges: .ci/requirements.py reads them."""
+    def req(*args):
+        return subprocess.run([sys.executable, str(ROOT / ".ci" / "requirements.py"), *args], capture_output=True,
+                              text=True, check=True).stdout.split()
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [d.replace(" ", "") for d in deps if d.startswith("transformers")]
+    assert req("spec", "transformers") == [spec]
+    assert req("floor", "torch") == [".".join((_floor("torch").split(".") + ["0", "0"])[:3])]
+    oldest = req("env", "--floor", "torch", "--floor", "accelerate", "--floor", "libcst")
+    assert f"torch=={req('floor', 'torch')[0]}" in oldest and spec in oldest and any(r.startswith("pytest") for r in oldest)
+    assert f"torch==2.15.0" in req("env", "--pin", "torch==2.15.0")
+    run = (ROOT / ".ci" / "run").read_text()
+    assert "requirements.py spec transformers" in run and "transformers>=" not in run
 
 
 def test_the_workflow_verifies_on_the_newest_transformers():

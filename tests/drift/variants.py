@@ -55,9 +55,13 @@ class Variant:
     expected: object = LOSSLESS  # LOSSLESS, or the exact tuple of NoMatch sites
     statuses: dict[str, str] = field(default_factory=dict)  # step id -> required status (after apply)
     summary: str = ""
-    #: The first transformers release the unpatched variant runs on (None: every release in the range):
+    #: The first transformers release the variant runs on, patched or not (None: every release in the range):
     #: code written with ``cache=`` needs 5.24+, where model forwards take that keyword.
     min_transformers: str | None = None
+    #: The first transformers release the *unpatched* code runs on (None: every release in the range):
+    #: code written for 5.25's counted past recording raises TypeError before it. The patched tree
+    #: runs on every release (record_past), so only test_unpatched_variant_still_decodes_on_full_attention skips.
+    unpatched_min_transformers: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.expected, NoMatch):
@@ -909,7 +913,7 @@ VARIANTS: list[Variant] = [
     ),
     Variant(
         "native-5x-count", "5.x-native", "dflash", build_native_count, claims_native_count,
-        statuses=NATIVE_STATUSES,
+        statuses=NATIVE_STATUSES, unpatched_min_transformers="5.25",
         summary="as `native-5x`, written for 5.25's recording: the target cache records a count "
         "(`activate_past_recording(recurrent_states_to_keep=...)`, armed once through `is_recording_past`)",
     ),
