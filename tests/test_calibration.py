@@ -39,7 +39,9 @@ def test_the_floor_is_measured_and_the_tolerance_is_a_fixed_multiple_of_it():
         cal = calibration.calibrate(target, prompts, refs)
         # the measured part is the largest |multi-token - token-by-token| over the prompts, computed here again
         diffs = [float((a - b).abs().max()) for a, b in (calibration.two_ways(target, p, r) for p, r in zip(prompts, refs))]
-        assert cal.measured == max(diffs) > 0, (cal.measured, diffs)
+        # (in bfloat16 the two ways may agree bit for bit: they do on torch 2.6's CPU kernels, so 0 is a measurement
+        # there; float32 below always differs by a few ulps, which a floor that is not measured misses)
+        assert cal.measured == max(diffs) >= 0 and (dtype == torch.bfloat16 or cal.measured > 0), (cal.measured, diffs)
         assert cal.positions == 24 and cal.floor == max(cal.measured, cal.ulp) and cal.ulp > 0
         assert cal.multiple == 4.0
         if dtype == torch.bfloat16:  # the measured part (~3e-3) stays under one ulp (3.9e-3): the floor is the ulp
