@@ -143,6 +143,28 @@ def test_the_skip_check_passes_only_when_each_skipped_test_ran_in_another_cell(t
     assert subprocess.run(run + [str(suite)], capture_output=True, text=True).returncode == 0
 
 
+def test_a_skip_for_want_of_shared_is_a_gap_only_where_shared_is_there(tmp_path):
+    """The real-tree tests skip where ../shared/upstream is absent (a clone elsewhere): .ci/skips lists them and
+    passes there; where the folder is there (CI), the same skip everywhere is a gap."""
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.SourceFileLoader("ci_skips", str(ROOT / ".ci" / "skips"))
+    skips = importlib.util.module_from_spec(importlib.util.spec_from_loader("ci_skips", loader))
+    loader.exec_module(skips)
+    cells = tmp_path / "junit"
+    cells.mkdir()
+    (cells / "suite--all.xml").write_text(
+        '<testsuites><testsuite name="pytest"><testcase classname="tests.test_upstream_trees" name="test_head">'
+        '<skipped message="../shared/upstream/dflash.bundle is absent: the real upstream histories live in ../shared"/>'
+        "</testcase></testsuite></testsuites>")
+    for present, code in ((False, 0), (True, 1)):
+        shared = tmp_path / ("shared" if present else "nowhere") / "upstream"
+        shared.mkdir(parents=True)
+        skips.SHARED = shared if present else tmp_path / "absent"
+        assert skips.main([str(cells)]) == code, present
+
+
 def test_ci_reads_the_ranges_from_pyproject():
     """.ci/run and .ci/matrix keep no second copy of pyproject.toml's ranges: .ci/requirements.py reads them."""
     def req(*args):
