@@ -100,6 +100,8 @@ def test_the_preset_is_the_folder_path_unscripted():
     assert options["target"] == str(TARGET) and options["draft"] == str(DRAFT) and not options["presets"]
     assert options["dtype"] == "float32" and options["block_size"] == 8 and not options["scripted_draft"]
     assert trained.folder_preset_options({"presets": ["trained-qwen3_5"], "block_size": 4})["block_size"] == 4
+    # --scripted-draft with the pair scripts its drafter's proposals (the --target/--draft path); never dropped silently
+    assert trained.folder_preset_options({"presets": ["trained-qwen3_5"], "scripted_draft": True})["scripted_draft"] is True
     untouched = {"presets": ["tiny-qwen3_5"]}
     assert trained.folder_preset_options(untouched) is untouched
     for bad in ({"presets": ["trained-qwen3_5", "tiny-qwen3_5"]}, {"presets": ["trained-qwen3_5"], "target": "/x"}):
