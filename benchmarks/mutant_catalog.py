@@ -296,8 +296,9 @@ MUTANTS = [
     Mutant("S6", "runtime_safety", RUNTIME, "        index = indices.get(tensor.device)\n",
            "        index = None\n", "the compaction index is built again for each K/V tensor (a host-to-device copy each)"),
     # ------------------------------------------------------------------ patcher.lossless: more
-    Mutant("L2", "lossless", "patcher/lossless.py", "    @functools.wraps(original)\n    def forward(*args, **kwargs):\n",
-           "    def forward(*args, **kwargs):\n",
+    Mutant("L2", "lossless", "patcher/lossless.py",
+           "    depth = _depth(model)\n\n    @functools.wraps(original)\n    def forward(*args, **kwargs):\n",
+           "    depth = _depth(model)\n\n    def forward(*args, **kwargs):\n",
            "the recording forward loses the model forward's signature (transformers builds position_ids from it; MTP needs them)"),
     Mutant("L3", "lossless", "patcher/lossless.py", "        if value is _MISSING:\n            vars(model).pop(name, None)\n",
            "        if value is _MISSING:\n            pass\n", "leaving the context keeps the recording forward on the instance"),
