@@ -112,10 +112,10 @@ def routed_two_ways(target, prompt, continuation: list[int]):
         trace.take()
         cache = DynamicCache(config=target.config)
         rows = [target(prompt, **with_cache(target, cache), use_cache=True).logits[0, -1]]
-        stepped = routers.decoder_rows([{"routes": trace.take()}], lambda call: list(enumerate(range(p))))
+        stepped = routers.rows(trace.take(), list(enumerate(range(p))))
         for i in range(n - 1):
             rows.append(target(cont[:, i : i + 1], **with_cache(target, cache), use_cache=True).logits[0, -1])
-            stepped.update(routers.decoder_rows([{"routes": trace.take()}], lambda call, at=p + i: [(0, at)]))
+            stepped.update(routers.rows(trace.take(), [(0, p + i)]))
     routed = None
     if trace.routers:
         sequence = prompt[0].tolist() + list(continuation)

@@ -308,14 +308,16 @@ class LogitsRecorder:
         )
 
 
-
 def _committed(call: dict, final: list) -> list[int]:
     """The rows of one recorded call whose context is the final sequence (itself and what it attends to among the
     call's inputs: all earlier inputs for a chain, its ancestors from the 4D mask for a tree)."""
     ids, pos, visible = call["ids"], call["positions"], call["visible"]
     ok = [0 <= p < len(final) and t == final[p] for t, p in zip(ids, pos)]
-    return [i for i in range(len(ids))
-            if all(ok[j] for j in ([j for j in range(len(ids)) if bool(visible[i, j])] if visible is not None else range(i + 1)))]
+
+    def context(i: int):
+        return [j for j in range(len(ids)) if bool(visible[i, j])] if visible is not None else range(i + 1)
+
+    return [i for i in range(len(ids)) if all(ok[j] for j in context(i))]
 
 
 def committed_rows(calls: list[dict], final: Sequence[int]) -> list[tuple[int, "object"]]:

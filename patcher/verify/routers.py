@@ -40,6 +40,7 @@ def max_flips() -> int:
     value = os.environ.get("DDPATCH_VERIFY_MAX_ROUTING_FLIPS", "")
     return int(value) if value.strip().isdigit() else MAX_FLIPS
 
+
 _TOLERANCE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> router-logit tolerance (calibration)
 _FOLLOWING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> handles of the standing follower
 _DECODES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> the calls of its last recorded decode
@@ -217,13 +218,15 @@ class Flips:
         return {"tolerance": self.tolerance, "followed": self.followed, "unexplained": self.unexplained, "too_many": self.too_many}
 
 
-def _rows(routes: dict, positions) -> dict:
-    """``{(position, router): (logits, weights, expert ids)}`` of one forward's routes, rows laid on ``positions``."""
+def rows(routes: dict, pairs: list[tuple[int, int]]) -> dict:
+    """``{(position, router): (logits, weights, expert ids)}`` of one forward's routes (``Trace.take()``), for the
+    ``(row, position)`` pairs given: row ``row`` of the forward is the token at ``position``."""
     out = {}
-    for name, calls in routes.items():
-        logits, weights, ids = calls[-1]
-        for row, position in enumerate(positions[: ids.shape[0]]):
-            out[(position, name)] = (logits[row], weights[row], ids[row])
+    for name, recorded in routes.items():
+        logits, weights, ids = recorded[-1]
+        for row, position in pairs:
+            if row < ids.shape[0]:
+                out[(position, name)] = (logits[row], weights[row], ids[row])
     return out
 
 
@@ -232,14 +235,8 @@ def decoder_rows(calls: list[dict], committed) -> dict:
     recorded forward whose context is the final sequence; the latest forward of a position wins."""
     out = {}
     for call in calls:
-        routes = call.get("routes")
-        if not routes:
-            continue
-        for row, position in committed(call):
-            for name, recorded in routes.items():
-                logits, weights, ids = recorded[-1]
-                if row < ids.shape[0]:
-                    out[(position, name)] = (logits[row], weights[row], ids[row])
+        if call.get("routes"):
+            out.update(rows(call["routes"], committed(call)))
     return out
 
 
@@ -268,11 +265,11 @@ def reference(model, sequence, decoded: dict, tolerance: float):
     while True:
         with Trace(model) as trace, follow(model, sequence, sites), torch.inference_mode():
             logits = model(ids, use_cache=False).logits[0].float().cpu()
-        rows = _rows(trace.take(), range(len(sequence)))
-        site = _first_flip(decoded, rows, order, sites)
+        scratch = rows(trace.take(), list(enumerate(range(len(sequence)))))
+        site = _first_flip(decoded, scratch, order, sites)
         if site is None:
             break
-        mine, theirs = decoded[site], rows[site]
+        mine, theirs = decoded[site], scratch[site]
         delta = float((mine[0].float().cpu() - theirs[0].float().cpu()).abs().max())
         entry = {"position": site[0], "router": site[1], "decoder": sorted(mine[2].tolist()),
                  "reference": sorted(theirs[2].tolist()), "delta": delta}
@@ -284,7 +281,7 @@ def reference(model, sequence, decoded: dict, tolerance: float):
             break
         sites[site] = (mine[1], mine[2])
         flips.followed.append(entry)
-    return logits, flips, sites, rows
+    return logits, flips, sites, scratch
 
 
 def remember(model, calls: list[dict]) -> None:

@@ -297,10 +297,11 @@ def cache_keyword(call: cst.Call) -> cst.Arg | None:
     if arg is not None:
         return arg
     arg = keyword(call, "cache")
-    could_be = isinstance(arg.value, (cst.Name, cst.Attribute, cst.Subscript, cst.Call)) if arg is not None else False
-    if could_be and not (isinstance(arg.value, cst.Name) and arg.value.value in ("None", "True", "False")):
-        return arg
-    return None
+    if arg is None or not isinstance(arg.value, (cst.Name, cst.Attribute, cst.Subscript, cst.Call)):
+        return None
+    if isinstance(arg.value, cst.Name) and arg.value.value in ("None", "True", "False"):
+        return None
+    return arg
 
 
 def runtime_call(step: Step, function: str, args: Sequence[cst.Arg]) -> cst.Call:
