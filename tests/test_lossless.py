@@ -9,11 +9,13 @@ the runtime's recording, not the lifting, that makes the output exact.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import subprocess
 import sys
 
 import pytest
 import torch
+import transformers
 
 import generate_support as gs
 from patcher import runtime as rt
@@ -161,7 +163,6 @@ def test_importing_patcher_imports_no_torch():
 
 
 def test_the_forward_keeps_its_signature():
-    import inspect
 
     model = gs.target("tiny-qwen3_5")
     plain = inspect.signature(model.forward)
@@ -201,8 +202,7 @@ def test_decorator_form_is_lossless():
 
 
 #: up to 5.23 Mamba keeps its state in a cache of its own, taken as ``cache_params=``; 5.24+ passes it ``cache=``
-MAMBA_OWN_CACHE = "cache_params" in __import__("inspect").signature(
-    __import__("transformers").MambaForCausalLM.forward).parameters
+MAMBA_OWN_CACHE = "cache_params" in inspect.signature(transformers.MambaForCausalLM.forward).parameters
 
 
 @pytest.mark.skipif(not MAMBA_OWN_CACHE, reason="5.24+: Mamba's forward takes cache=, as every model's does")
