@@ -163,7 +163,6 @@ def test_importing_patcher_imports_no_torch():
 
 
 def test_the_forward_keeps_its_signature():
-
     model = gs.target("tiny-qwen3_5")
     plain = inspect.signature(model.forward)
     with lossless(model):
