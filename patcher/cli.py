@@ -205,17 +205,24 @@ verify_options = _options(
     click.option("--prompts", type=click.IntRange(min=1), default=None, help="Prompts per seed (default 2)."),
     click.option("--max-new-tokens", type=click.IntRange(min=1), default=None, help="New tokens per prompt (default 32)."),
     click.option("--block-size", type=click.IntRange(min=2), default=None, help="Draft block size, >= 2 (default 4)."),
-    click.option("--tree-budgets", default=None, help="DDTree node budgets, comma-separated, each >= 1 (default 4,8)."),
+    click.option("--tree-budgets", default=None, help="DDTree node budgets, comma-separated, each >= 1 (default 4,8; the trained pair 8,16)."),
+    click.option("--entry", "entries", multiple=True, metavar="FILE:FUNCTION",
+                 help="Verify this decoder (repeatable; FUNCTION may be Class.method). Default: every decoder the tree holds."),
+    click.option("--greedy-only", is_flag=True, help="Skip the sampled pass a decoder that takes a temperature gets by default."),
+    click.option("--reviewed", multiple=True, type=click.Choice(["noise", "positions", "features"]),
+                 help="A drafter input the tree sets differently on purpose, reviewed: reported, not failed (repeatable)."),
     click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
                  help="Seconds before the verifier is stopped (> 0)."),
 )
 
 
-def _verify_options(presets, target, draft, scripted_draft, trust_remote_code, seeds, tree_budgets, **rest) -> dict:
+def _verify_options(presets, target, draft, scripted_draft, trust_remote_code, seeds, tree_budgets, entries=(), greedy_only=False,
+                    reviewed=(), **rest) -> dict:
     """``verify_options``' values as ``api.verify`` options (None: the verifier's default)."""
     return dict(presets=list(presets) or None, target=str(target) if target else None, draft=str(draft) if draft else None,
                 scripted_draft=scripted_draft or None, trust_remote_code=trust_remote_code or None,
-                seeds=_ints(seeds, 0, "--seeds"), tree_budgets=_ints(tree_budgets, 1, "--tree-budgets"), **rest)
+                seeds=_ints(seeds, 0, "--seeds"), tree_budgets=_ints(tree_budgets, 1, "--tree-budgets"),
+                entries=list(entries) or None, greedy_only=greedy_only or None, reviewed=list(reviewed) or None, **rest)
 
 
 def _verify_and_report(tree: Path, fmt: str, timeout: float, options: dict, html_file: Path | None = None) -> int:

@@ -34,6 +34,8 @@ KEYS = {
     "presets": "a list of preset names (verify, ci --verify)",
     "format": '"text" or "json"',
     "allow-lossy": "true or false",
+    "entry": "a list of FILE:FUNCTION decoders for verify (default: every decoder found)",
+    "reviewed": "a list of drafter inputs whose deliberate difference was reviewed (verify): noise, positions, features",
 }
 
 
@@ -81,7 +83,7 @@ def _validate(values: dict[str, Any], path: Path) -> dict[str, Any]:
             raise ConfigError(f"config {path}: unknown key {key!r}{guess}; known: {', '.join(KEYS)}")
         if key in ("select", "ignore"):
             value = _ids(key, value, path)
-        elif key == "presets":
+        elif key in ("presets", "entry", "reviewed"):
             value = _ids(key, value, path).split(",")
         elif key == "jobs":
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

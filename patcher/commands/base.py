@@ -150,7 +150,7 @@ recipe_options = options(
 
 #: CLI parameter -> config key, for the settings a config file may give.
 _CONFIGURABLE = {"recipe_name": "recipe", "select": "select", "ignore": "ignore", "upstream": "upstream", "jobs": "jobs",
-                 "fmt": "format", "allow_lossy": "allow-lossy", "presets": "presets"}
+                 "fmt": "format", "allow_lossy": "allow-lossy", "presets": "presets", "entries": "entry", "reviewed": "reviewed"}
 
 
 def configured(path, options: dict) -> dict:
@@ -163,7 +163,7 @@ def configured(path, options: dict) -> dict:
     config = load_config(path, options.pop("config_file", None), options.pop("isolated", False))
     for param, key in _CONFIGURABLE.items():
         if param in options and key in config.values and ctx.get_parameter_source(param) in (ParameterSource.DEFAULT, None):
-            options[param] = tuple(config.values[key]) if param == "presets" else config.values[key]
+            options[param] = tuple(config.values[key]) if param in ("presets", "entries", "reviewed") else config.values[key]
     if options.get("fmt") == "json":
         _JSON_BY_CONFIG.append(True)
     if "recipe_name" in options and not options["recipe_name"]:

@@ -49,7 +49,14 @@ HINTS = {
              "(recipe step input-embeddings)",
     "output": "the inputs agree but the output does not: the draft cache holds other context than the committed features "
               "(a crop to another length), or the drafter's windowing (recipe step draft-sliding-window)",
+    "selector": "the drafter's proposal method (DFlash2's propose, compute_logits) must get the drafter's output rows for the "
+                "block's positions 1.. (upstream: model(...)[:, 1 - block_size:, :])",
+    "anchor": "the proposal method's anchor ids must be the block's first, committed token (upstream: block_output_ids[:, 0])",
+    "seeded": "the tree fills block positions with other ids than the mask id: a design of its own? If so, record it as "
+              "reviewed (--reviewed noise, or reviewed = [\"noise\"] in [tool.ddpatch]); no recipe step writes these ids",
 }
+#: the drafter methods whose inputs the oracle reads (DFlash2's selector path, DFlash's logits path)
+PROPOSAL_METHODS = ("propose", "compute_logits")
 
 
 class Unbindable(Exception):
@@ -84,16 +91,22 @@ class DrafterRecorder:
         self.roles = roles_of(draft)
         self.signature = inspect.signature(draft.forward)
         self.calls: list[dict] = []
+        self._wrapped: list[str] = []
         self.target_starts: list[tuple[int, int]] = []  # (events seen before, first position) per decoding forward
         self._events = 0
         self._depth = 0
         self._handles = []
 
     def __enter__(self):
+        self._wrapped = [name for name in PROPOSAL_METHODS if callable(getattr(self.draft, name, None))]
+        for name in self._wrapped:
+            setattr(self.draft, name, self._proposal(name, getattr(self.draft, name)))
         self._handles = [
             self.draft.register_forward_pre_hook(self._before, with_kwargs=True),
             # first of the forward hooks: the raw output, before the scripted draft replaces it
             self.draft.register_forward_hook(self._after, with_kwargs=True, prepend=True, always_call=True),
+            # last of them: what the decode loop really got (the scripted draft's hidden-state mode changes it)
+            self.draft.register_forward_hook(self._delivered, with_kwargs=True),
             self.target.register_forward_pre_hook(self._target, with_kwargs=True),
         ]
         return self
@@ -102,6 +115,26 @@ class DrafterRecorder:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for name in self._wrapped:
+            vars(self.draft).pop(name, None)
+        self._wrapped = []
+
+    def _proposal(self, name: str, method):
+        """``method`` that records, for the last drafter call, the hidden rows and anchor ids it was given."""
+        import functools
+
+        @functools.wraps(method)
+        def wrapper(*args, **kwargs):
+            values = [*args, *kwargs.values()]
+            hidden = next((v for v in values if hasattr(v, "is_floating_point") and v.is_floating_point() and v.dim() == 3), None)
+            anchor = next((v for v in values if hasattr(v, "is_floating_point") and not v.is_floating_point()), None)
+            if self.calls and self._depth == 0:
+                self.calls[-1].setdefault("proposals", []).append({
+                    "method": name, "hidden": hidden.detach().clone() if hidden is not None else None,
+                    "anchor": anchor.detach().clone() if anchor is not None else None})
+            return method(*args, **kwargs)
+
+        return wrapper
 
     def _arguments(self, args, kwargs) -> dict:
         try:
@@ -133,6 +166,14 @@ class DrafterRecorder:
             return
         hidden = output[0] if isinstance(output, tuple) else getattr(output, "last_hidden_state", output)
         self.calls[-1]["output"] = hidden.detach().clone() if hasattr(hidden, "detach") else None
+
+    def _delivered(self, module, args, kwargs, output):
+        if self._depth or not self.calls or "delivered" in self.calls[-1]:
+            return
+        hidden = output[0] if isinstance(output, tuple) else getattr(output, "last_hidden_state", output)
+        if hasattr(hidden, "detach") and self.calls[-1].get("output") is not None and hidden is not self.calls[-1]["output"]:
+            if not torch_equal(hidden, self.calls[-1]["output"]):
+                self.calls[-1]["delivered"] = hidden.detach().clone()
 
     def _target(self, module, args, kwargs):
         cache = cache_given(kwargs)
@@ -262,7 +303,23 @@ class Reference:
 
         ids = torch.tensor([[self.sequence[start]] + [mask_id] * (q - 1)], device=self.device)
         with torch.inference_mode():
-            return self.embed(ids)
+            return self.embed(ids) * embedding_scale(self.draft)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and bool(torch.equal(a.detach().to(b.device), b))
+
+
+def embedding_scale(draft) -> float:
+    """The scale the drafter's config puts on the noise embedding (DFlash's newest: ``input_embedding_scale``), else 1."""
+    config = getattr(draft, "config", None)
+    value = (getattr(config, "dflash_config", None) or {}).get("input_embedding_scale", getattr(config, "input_embedding_scale", None))
+    try:
+        return float(value) if value is not None else 1.0
+    except (TypeError, ValueError):
+        return 1.0
 
 
 # ----------------------------------------------------------------------------- tolerances
@@ -315,7 +372,10 @@ def calibrate(target, draft, prompt, continuation, mask_id: int, block_size: int
 
 # ----------------------------------------------------------------------------- the verdict
 #: the fields judged per round, in the order a failure names them
-FIELDS = ("cache", "features", "positions", "noise", "output")
+FIELDS = ("cache", "features", "positions", "noise", "output", "selector", "anchor")
+#: the drafter inputs a tree may set differently on purpose (``--reviewed``): reported, and the reference then takes
+#: the tree's own value, so that the rest of the round is still judged
+REVIEWABLE = ("noise", "positions", "features")
 
 
 @dataclass
@@ -326,6 +386,8 @@ class DrafterVerdict:
     worst: dict = field(default_factory=dict)  # field -> largest |Δ| on any round
     top1: list = field(default_factory=lambda: [0, 0])  # proposals equal / compared
     skipped: str | None = None
+    hints: dict = field(default_factory=dict)  # field -> HINTS key, where the first failure calls for another hint
+    reviewed: list = field(default_factory=list)  # (round, field, detail) of reviewed deliberate differences
 
     @property
     def passed(self) -> bool:
@@ -341,13 +403,20 @@ class DrafterVerdict:
             here = [(f, d) for r, f, d in self.failures if r == first]
             later = len({r for r, _, _ in self.failures} - {first})
             return (f"round {first}: " + "; ".join(f"{f} differs: {d}" for f, d in here)
-                    + (f"; {later} later rounds differ too" if later else "") + f" - hint: {HINTS[here[0][0]]}")
+                    + (f"; {later} later rounds differ too" if later else "")
+                    + f" - hint: {HINTS[self.hints.get(here[0][0], here[0][0])]}")
         worst = ", ".join(f"{k} {v:.1e}" for k, v in self.worst.items())
-        return f"{self.rounds} rounds from scratch, max |Δ| {worst}, top-1 {self.top1[0]}/{self.top1[1]}"
+        text = f"{self.rounds} rounds from scratch, max |Δ| {worst}, top-1 {self.top1[0]}/{self.top1[1]}"
+        if self.reviewed:
+            fields = sorted({f for _, f, _ in self.reviewed})
+            text += (f"; reviewed deliberate difference ({', '.join(fields)}) in {len({r for r, _, _ in self.reviewed})} rounds, "
+                     f"e.g. round {self.reviewed[0][0]}: {self.reviewed[0][2]}")
+        return text
 
     def as_dict(self) -> dict:
         return {"passed": self.passed, "rounds": self.rounds, "unjudged": self.unjudged, "skipped": self.skipped,
                 "failures": [{"round": r, "field": f, "detail": d} for r, f, d in self.failures],
+                "reviewed": [{"round": r, "field": f, "detail": d} for r, f, d in self.reviewed],
                 "worst": self.worst, "top1": list(self.top1)}
 
 
@@ -357,11 +426,24 @@ def _span(values: list[int]) -> str:
     return ",".join(map(str, values)) or "none"
 
 
-def _nearest(rows, table) -> list[int]:
-    """For each row, the index of the nearest row of ``table`` (which position, which token id)."""
+def _nearest(rows, table, chunk: int = 8192) -> list[int]:
+    """For each row, the index of the nearest row of ``table`` (which position, which token id); the table is read in
+    chunks (a real vocabulary's embeddings do not fit twice in memory as float32)."""
     import torch
 
-    return torch.cdist(rows.float(), table.float()).argmin(dim=1).tolist() if rows.shape[0] and table.shape[0] else []
+    if not rows.shape[0] or not table.shape[0]:
+        return []
+    rows = rows.float().cpu()
+    best_d, best_i = None, None
+    for lo in range(0, table.shape[0], chunk):
+        d = torch.cdist(rows, table[lo:lo + chunk].detach().float().cpu())
+        v, i = d.min(dim=1)
+        if best_d is None:
+            best_d, best_i = v, i
+        else:
+            better = v < best_d
+            best_d, best_i = torch.where(better, v, best_d), torch.where(better, i + lo, best_i)
+    return best_i.tolist()
 
 
 def _features(ref, feats, rows, c: int, s: int, tol: float, worst) -> str | None:
@@ -385,8 +467,10 @@ def _features(ref, feats, rows, c: int, s: int, tol: float, worst) -> str | None
     return f"max |Δ| {diff:.2e} over positions {span} (tolerance {tol:.0e})" + stale
 
 
-def _noise(ref, given, expect, token: int, mask_id: int, worst) -> str | None:
-    """(b): the block's embedding must be the committed token's, then the mask id's; which ids it holds instead."""
+def _noise(ref, given, expect, token: int, mask_id: int, worst, verdict=None) -> str | None:
+    """(b): the block's embedding must be the committed token's, then the mask id's; which ids it holds instead. Rows
+    that are other rows of the target's own embeddings (times the drafter's scale) are the tree's own choice of ids
+    (seeded mask positions), not a wrong table: that failure hints at a review, not at a recipe step."""
     if given.shape != expect.shape:
         return f"shape {tuple(given.shape)} given, {tuple(expect.shape)} expected"
     exact = 1e-6 * (float(expect.abs().max()) + 1e-6)
@@ -397,12 +481,48 @@ def _noise(ref, given, expect, token: int, mask_id: int, worst) -> str | None:
     table = getattr(ref.embed, "weight", None)
     what = ""
     if table is not None:
-        table = table.detach().float().cpu()
-        ids = _nearest(given[bad], table)
-        off = max(float((given[i] - table[t]).abs().max()) for i, t in zip(bad, ids))
-        what = (f": they embed ids {_span(ids)}" if off <= exact else
-                f": they are no rows of the target's input embeddings (nearest ids {_span(ids)}, Δ {off:.1e})")
+        scale = embedding_scale(ref.draft)
+        ids = _nearest(given[bad] / scale, table)
+        rows = table[torch_index(ids, table.device)].detach().float().cpu() * scale
+        off = max(float((given[i] - row).abs().max()) for i, row in zip(bad, rows))
+        if off <= exact:
+            what = f": they embed ids {_span(ids)} of the target's own table (not the mask id)"
+            if verdict is not None and 0 not in bad:
+                verdict.hints.setdefault("noise", "seeded")
+        else:
+            what = f": they are no rows of the target's input embeddings (nearest ids {_span(ids)}, Δ {off:.1e})"
     return f"max |Δ| {diff:.2e} at block rows {_span(bad)} (committed token {token}, mask id {mask_id}){what}"
+
+
+def torch_index(ids: list[int], device):
+    import torch
+
+    return torch.tensor(ids, device=device, dtype=torch.long)
+
+
+def _proposals(call: dict, token: int, tol: float, worst) -> dict:
+    """(e) DFlash2's proposal path (``propose``, ``compute_logits``): the hidden rows it is given must be the drafter's
+    output rows for the block's positions 1.. (aligned to the end), its anchor ids the block's committed token."""
+    found = {"selector": None, "anchor": None}
+    out = call.get("delivered", call["output"])[0].float().cpu()
+    for rec in call.get("proposals", []):
+        hidden = rec["hidden"]
+        if hidden is not None and found["selector"] is None:
+            rows = hidden[0].float().cpu()
+            n = rows.shape[0]
+            if n > out.shape[0] or rows.shape[-1] != out.shape[-1]:
+                found["selector"] = f"{rec['method']} got {tuple(rows.shape)} rows, the drafter output has {tuple(out.shape)}"
+            else:
+                diff = worst("selector", float((rows - out[-n:]).abs().max()))
+                if diff > tol:
+                    found["selector"] = (f"{rec['method']} got rows {max(diff, 0):.2e} away from the drafter output's last {n} rows "
+                                         f"(tolerance {tol:.0e})")
+        anchor = rec["anchor"]
+        if anchor is not None and found["anchor"] is None:
+            got = anchor.reshape(-1).tolist()
+            if got and got != [token] * len(got):
+                found["anchor"] = f"{rec['method']} got anchor ids {got}, the block's committed token is {token}"
+    return found
 
 
 def _output(head, out, scratch, tol: float, verdict, worst) -> str | None:
@@ -428,8 +548,11 @@ def _output(head, out, scratch, tol: float, verdict, worst) -> str | None:
             f"proposals equal at {int(same.sum())}/{same.numel()} block positions")
 
 
-def judge(recorder: DrafterRecorder, target, draft, final, mask_id: int, cal: DrafterCalibration) -> DrafterVerdict:
-    """Every recorded drafter call against its from-scratch reference on ``final`` (prompt + new tokens)."""
+def judge(recorder: DrafterRecorder, target, draft, final, mask_id: int, cal: DrafterCalibration,
+          reviewed: tuple[str, ...] = ()) -> DrafterVerdict:
+    """Every recorded drafter call against its from-scratch reference on ``final`` (prompt + new tokens). A field in
+    ``reviewed`` (a deliberate difference of the tree's, ``REVIEWABLE``) is reported, not failed, and the reference
+    takes the tree's own value for it."""
     import torch
 
     verdict = DrafterVerdict()
@@ -451,8 +574,11 @@ def judge(recorder: DrafterRecorder, target, draft, final, mask_id: int, cal: Dr
         q = call["noise"].shape[1]
         got, want = call["positions"].reshape(-1, call["positions"].shape[-1])[0].tolist(), list(range(c, s + q))
         shift = {g - w for g, w in zip(got, want)} if len(got) == len(want) else set()
-        scratch = reference_output(draft, recorder.roles, ref.features[None, :s].to(dtype), ref.block(s, q, mask_id).to(dtype),
-                                   torch.arange(s + q, device=ref.device)[None])
+        feats_in = ref.features[None, :s].to(dtype)
+        if "features" in reviewed and call["features"].shape[1] == s - c and c == 0:
+            feats_in = call["features"].to(ref.device, dtype)
+        noise_in = call["noise"].to(ref.device, dtype) if "noise" in reviewed else ref.block(s, q, mask_id).to(dtype)
+        scratch = reference_output(draft, recorder.roles, feats_in, noise_in, torch.arange(s + q, device=ref.device)[None])
         found = {
             # the draft cache may hold committed context only: nothing past the previous round's committed length
             "cache": None if c <= prev_start else (f"the draft cache held {c} positions before this call, the previous round "
@@ -460,9 +586,13 @@ def judge(recorder: DrafterRecorder, target, draft, final, mask_id: int, cal: Dr
             "features": _features(ref, feats, call["features"][0].float().cpu(), c, s, cal.tolerances["features"], worst),
             "positions": None if got == want else (f"{_span(got)} given, {_span(want)} expected (draft cache {c}, committed {s})"
                                                    + (f": shifted by {shift.pop():+d}" if len(shift) == 1 else "")),
-            "noise": _noise(ref, call["noise"][0].float().cpu(), ref.block(s, q, mask_id)[0].float().cpu(), final[s], mask_id, worst),
+            "noise": _noise(ref, call["noise"][0].float().cpu(), ref.block(s, q, mask_id)[0].float().cpu(), final[s], mask_id, worst,
+                            verdict),
             "output": _output(head, call["output"][0].float().cpu(), scratch, cal.tolerances["output"], verdict, worst),
+            **_proposals(call, final[s], cal.tolerances["output"], worst),
         }
-        verdict.failures += [(r, name, found[name]) for name in FIELDS if found[name]]
+        for name in FIELDS:
+            if found[name]:
+                (verdict.reviewed if name in reviewed else verdict.failures).append((r, name, found[name]))
         prev_start = s
     return verdict

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from ..errors import VerifierCrash, VerifyError
 from ..results import Outcome
-from .trained import folder_preset_options
+from . import decoders
+from .trained import FOLDER_PRESETS, folder_preset_options, pair_options
 
 DEFAULTS = dict(
     presets=["tiny-qwen3_5"],
@@ -37,6 +38,9 @@ DEFAULTS = dict(
     block_size=4,
     tree_budgets=[4, 8],
 )
+#: Folder presets a default verify runs beside the random preset: the trained pair judges acceptance, so that a tree
+#: that keeps every token but builds its tree wrong (and loses the speedup) fails what users run.
+DEFAULT_PAIRS = ["trained-qwen3_5"]
 
 
 def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> Outcome:
@@ -47,6 +51,10 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
         options = folder_preset_options(options)
     except ValueError as exc:
         raise VerifyError(str(exc)) from None
+    if options.get("pairs") is None and any(p in FOLDER_PRESETS for p in options.get("presets") or ()):
+        names = options["presets"]
+        options = {**options, "presets": [p for p in names if p not in FOLDER_PRESETS],
+                   "pairs": [pair_options(p, options) for p in names if p in FOLDER_PRESETS]}
     for key in ("target", "draft"):  # the child runs in a temporary folder: resolve against the caller's
         if options.get(key):
             options[key] = str(Path(options[key]).expanduser().resolve())
@@ -59,7 +67,15 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
                           "always scripted already, from the target's greedy continuation (true token at rank 0, 1 or nowhere)")
     if options.get("target") and not options.get("draft") and not options.get("scripted_draft"):
         raise VerifyError("--target needs --draft, or --scripted-draft to build a scripted draft from the tree's DFlashDraftModel")
-    cfg = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}, "tree": str(tree.resolve())}
+    try:
+        plan = decoders.plan(tree, options.get("entries"), tuple(options.get("exclude") or ()))
+    except ValueError as exc:
+        raise VerifyError(str(exc)) from None
+    if not plan["decoders"]:
+        raise VerifyError(f"no DDTree/DFlash decoder found in {tree} ({decoders.LOOKED_FOR})")
+    if not options.get("target") and not options.get("presets"):  # the default: a random preset and the trained pair
+        options = {**options, "pairs": [pair_options(name, options) for name in DEFAULT_PAIRS]}
+    cfg = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}, "tree": str(tree.resolve()), "plan": plan}
     env = child_env()
     start = time.perf_counter()
     log: list[str] = []
