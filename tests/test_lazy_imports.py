@@ -9,7 +9,6 @@ installed; upstream's own ``tests/test_package.py::test_lazy_dataset_export`` ch
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from drift.variants import BY_NAME, VENDORED
+from drift.variants_newest import module_level_imports
 
 # what upstream's test does, in an interpreter where torch and transformers cannot be imported
 TORCH_FREE = """
@@ -38,16 +38,6 @@ def _imports_without_torch(tree: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", TORCH_FREE], cwd=tree, capture_output=True, text=True, timeout=120)
 
 
-def _module_level_imports(path: Path) -> set[str]:
-    found = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            found.add(node.module.split(".")[0])
-    return found
-
-
 @pytest.mark.parametrize("name", ["vendored", "lazy-torch-bench", "newest"])
 def test_a_patched_benchmark_imports_without_torch(name, tmp_path):
     from patcher import api
@@ -59,6 +49,6 @@ def test_a_patched_benchmark_imports_without_torch(name, tmp_path):
     bench = tmp_path / "out" / "dflash" / "benchmark.py"
     timing = next(s for s in result.report.steps if s.spec.id == "cpu-safe-timing")
     assert timing.status == "applied" and "is_available()" in bench.read_text(), "the guard was written"
-    assert "torch" not in _module_level_imports(bench), "cpu-safe-timing turned a lazy torch import into a module-level one"
+    assert "torch" not in module_level_imports(bench.read_text()), "cpu-safe-timing turned a lazy torch import into a module-level one"
     patched = _imports_without_torch(tmp_path / "out")
     assert patched.returncode == 0, f"the patched benchmark no longer imports without torch: {patched.stderr[-600:]}"

@@ -1,16 +1,12 @@
-"""Variants in the shape of DFlash's newest upstream (after 44947fb, the revision ``vendored/dflash`` is shaped like).
+"""Variants in the shape of DFlash's newest upstream (after 44947fb, which ``vendored/dflash`` is shaped like).
 
-Upstream's newest ``dflash/model.py`` builds its caches in ``_make_cache(config)`` (config-aware, then a bare
-``activate_past_recording()``), crops through ``_crop_to`` (a 5.x count), embeds the block with
-``F.embedding`` on the target's embedding weight times a scale, shortens the last block to what is left,
-samples with rejection sampling that also takes a drafter's probabilities over its own candidates
-(``draft_indices``), and adds DFlash2: a drafter subclass whose ``propose()`` picks the block from the
-top-k of its logits with a low-rank candidate selector, with grouped dynamic causal convolutions in each
-layer. Each shape is one ``shape_*`` function below, written for this project from that description (no
-upstream code); ``newest`` puts them all together, as a user's checkout of the newest upstream would.
-
-Every variant keeps the vendored decoder's signature, so ``semantics.decode_unpatched`` calls it as it
-calls the others; a drafter subclass the tree defines (DFlash2) is decoded there too.
+Each ``shape_*`` below is one thing the newest ``dflash/model.py`` does, written for this project from its
+description (no upstream code): ``_make_cache(config)`` with a bare ``activate_past_recording()`` and
+``_crop_to`` (a 5.x count), ``F.embedding`` on the target's embedding weight times a scale, a last block
+shortened to what is left, rejection sampling over a drafter's own candidates (``draft_indices``), and
+DFlash2 (a drafter subclass whose ``propose()`` picks the block among the top-k of its logits with a low-rank
+selector, with grouped dynamic causal convolutions in each layer). ``newest`` puts them together. Every
+variant keeps the vendored decoder's signature; ``semantics.decode_unpatched`` decodes a drafter subclass too.
 """
 
 from __future__ import annotations
@@ -23,8 +19,7 @@ from .variants import BY_NAME, FL, VARIANTS, Variant, _read, build_draft_masks_i
 
 BENCH = "dflash/benchmark.py"
 CHAIN = "dflash/chain.py"
-DD = "dflash.py"  # the DDTree tree's copy of DFlash's decoder
-TREE = "ddtree.py"
+DD, TREE = "dflash.py", "ddtree.py"  # the DDTree tree's copy of DFlash's decoder, and its tree decoder
 
 
 # ---------------------------------------------------------------- F.embedding on the target's weight, with a scale
@@ -180,19 +175,6 @@ def claims_draft_indices(root: Path, original: Path) -> None:
 
 DFLASH2 = '''
 
-def _grouped_causal_mix(x: torch.Tensor, base: torch.Tensor, taps: torch.Tensor, group: int) -> torch.Tensor:
-    """``out[t] = sum_lag (base[lag] + taps[t, lag]) * x[t - lag]`` along the block (causal), with one
-    predicted tap per group of ``group`` channels; ``base`` is [lags, hidden], ``taps`` [b, n, lags, groups]."""
-    batch, length, width = x.shape
-    chunks = x.reshape(batch, length, width // group, group)
-    out = torch.zeros_like(chunks)
-    for lag in range(base.shape[0]):
-        past = chunks if lag == 0 else torch.cat([torch.zeros_like(chunks[:, :lag]), chunks[:, :-lag]], dim=1)
-        weight = base[lag].reshape(1, 1, width // group, group).to(x.dtype) + taps[:, :, lag, :, None]
-        out = out + weight * past
-    return out.reshape(batch, length, width)
-
-
 class GroupedDynamicCausalConv(nn.Module):
     """A short causal convolution over the block's positions whose taps are a learned base plus a
     per-position, per-group correction predicted from the hidden state."""
@@ -206,8 +188,15 @@ class GroupedDynamicCausalConv(nn.Module):
         self.predict = nn.Linear(hidden_size, lags * (hidden_size // group), bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        taps = self.predict(x).reshape(*x.shape[:2], self.lags, x.shape[-1] // self.group)
-        return _grouped_causal_mix(x, self.base, taps, self.group)
+        # out[t] = sum over lags of (base[lag] + predicted tap[t, lag]) * x[t - lag], one tap per group of channels
+        batch, length, width = x.shape
+        taps = self.predict(x).reshape(batch, length, self.lags, width // self.group, 1)
+        chunks = x.reshape(batch, length, width // self.group, self.group)
+        out = torch.zeros_like(chunks)
+        for lag in range(self.lags):
+            past = chunks if lag == 0 else torch.cat([torch.zeros_like(chunks[:, :lag]), chunks[:, :-lag]], dim=1)
+            out = out + (self.base[lag].reshape(width // self.group, self.group).to(x.dtype) + taps[:, :, lag]) * past
+        return out.reshape(batch, length, width)
 
 
 class CandidateSelector(nn.Module):
@@ -299,12 +288,9 @@ def shape_dflash2(root: Path) -> None:
 
 
 def claims_dflash2(root: Path, original: Path) -> None:
-    import ast
-
     text = _read(root, FL)
-    classes = {n.name: n for n in ast.parse(text).body if isinstance(n, ast.ClassDef)}
-    assert [b.id for b in classes["DFlash2DraftModel"].bases] == ["DFlashDraftModel"]
-    assert {"CandidateSelector", "GroupedDynamicCausalConv"} <= set(classes)
+    assert "\nclass DFlash2DraftModel(DFlashDraftModel):\n" in text
+    assert "\nclass CandidateSelector(nn.Module):\n" in text and "\nclass GroupedDynamicCausalConv(nn.Module):\n" in text
     assert "def propose(self, hidden" in text and "if isinstance(model, DFlash2DraftModel):" in text
     assert "model.propose(hidden[:, 1:], block[:, 0], target.lm_head, temperature)" in text
     claims_draft_indices(root, original)
@@ -391,7 +377,8 @@ def shape_lazy_bench(root: Path) -> None:
     )
 
 
-def _module_level_imports(text: str) -> set[str]:
+def module_level_imports(text: str) -> set[str]:
+    """The top-level packages a module imports when it is imported (its module-level import statements)."""
     import ast
 
     names = set()
@@ -405,7 +392,7 @@ def _module_level_imports(text: str) -> set[str]:
 
 def claims_lazy_bench(root: Path, original: Path) -> None:
     text = _read(root, BENCH)
-    assert "torch" not in _module_level_imports(text) and "transformers" not in _module_level_imports(text)
+    assert {"torch", "transformers"}.isdisjoint(module_level_imports(text))
     assert "    from torch import cuda\n" in text and "    cuda.set_device(_local_rank())\n" in text
     assert "    from torch.cuda import synchronize\n\n    synchronize()\n" in text
 
@@ -445,25 +432,16 @@ def claims_second_decoder(root: Path, original: Path) -> None:
 # ---------------------------------------------------------------- the newest upstream, every shape at once
 
 
-def build(*shapes: Callable[[Path], None]) -> Callable[[Path], None]:
-    def run(root: Path) -> None:
-        for shape in shapes:
-            shape(root)
+def together(*parts: Callable) -> Callable:
+    """Run each of ``parts`` (shapes, or claims) in turn with the same arguments."""
+    def run(*args) -> None:
+        for part in parts:
+            part(*args)
 
     return run
 
 
-def claims(*each: Callable[[Path, Path], None]) -> Callable[[Path, Path], None]:
-    def run(root: Path, original: Path) -> None:
-        for claim in each:
-            claim(root, original)
-
-    return run
-
-
-#: what the newest layout's steps say: the code is 5.x-native (caches, embeddings, crops), but the bare
-#: activate_past_recording() breaks 5.25's GDN forward (crop-compat routes it through record_past), and the
-#: recurrent state still needs verify_forward
+#: 5.x-native caches, embeddings and crops; but the bare activate_past_recording() breaks 5.25's GDN forward
 MAKE_CACHE_STATUSES = {"target-cache-config": "fixed-upstream", "crop-compat": "applied", "verify-forward": "applied"}
 EMBED_STATUSES = {"input-embeddings": "fixed-upstream"}
 TIMING_STATUSES = {"cpu-safe-timing": "applied"}
@@ -508,9 +486,9 @@ VARIANTS_NEWEST = [
     ),
     Variant(
         "newest", "newest upstream", "dflash",
-        build(shape_embed_weight, shape_make_cache, shape_dflash2, shape_last_block, shape_lazy_bench, build_draft_masks_itself),
-        claims(claims_embed_weight, claims_make_cache, claims_dflash2, claims_last_block, claims_lazy_bench,
-               claims_draft_masks_itself),
+        together(shape_embed_weight, shape_make_cache, shape_dflash2, shape_last_block, shape_lazy_bench, build_draft_masks_itself),
+        together(claims_embed_weight, claims_make_cache, claims_dflash2, claims_last_block, claims_lazy_bench,
+                 claims_draft_masks_itself),
         statuses={**EMBED_STATUSES, **MAKE_CACHE_STATUSES, **TIMING_STATUSES, "draft-sliding-window": "fixed-upstream"},
         summary="every shape above but the second decoder, together, with a drafter that masks itself (`draft-masks-itself`)",
     ),
