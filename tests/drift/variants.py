@@ -1093,3 +1093,5 @@ _CACHE_KEYWORD = [
 ]
 VARIANTS.extend(_CACHE_KEYWORD)
 BY_NAME.update({v.name: v for v in _CACHE_KEYWORD})
+
+from . import variants_newest  # noqa: E402,F401  (DFlash's newest upstream: registers its variants here)
