@@ -312,7 +312,7 @@ def plan(tree: Path, entries: list[str] | None = None, exclude: tuple[str, ...] 
         keys = {(d.file, d.qualname) for d in chosen}
         for d in found.decoders:
             if (d.file, d.qualname) not in keys:
-                d.verified, d.reason = False, "not picked (--entry)"
+                d.verified, d.reason, d.same_as = False, "not picked (--entry)", d.same_as or "--entry"
     else:
         chosen = []
         for d in found.decoders:

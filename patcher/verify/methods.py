@@ -128,7 +128,8 @@ def load(tree: Path, plan: dict, budgets: list[int], error_summary) -> Loaded:
 
 
 def coverage_check(decoders: list[dict], unparsed: list[str], notes: list[str]) -> dict:
-    """``decoders: N found, M verified``: a decoder left out of a file that ddpatch patched is a finding."""
+    """``decoders: N found, M verified``: a decoder left out of a file that ddpatch patched is a finding, unless the
+    user left it out (``--entry``) or it is the same code as one verified (``same_as``)."""
     verified = [d for d in decoders if d.get("verified")]
     left = [d for d in decoders if not d.get("verified")]
     finding = [d for d in left if d.get("patched") and not d.get("same_as")]

@@ -58,7 +58,7 @@ def load_preset(name: str, seed: int, draft_classes: dict, block_size: int, defa
 
 #: Defaults for drafter config fields a class reads beyond DFlash's (DFlash2's selector and convolutions), by how
 #: the field's name ends; a field named nowhere here is left unset.
-FIELD_DEFAULTS = (("kernel_size", 4), ("group_size", 16), ("selector_rank", 8), ("_rank", 8), ("top_k", 8), ("num_candidates", 8))
+FIELD_DEFAULTS = (("kernel_size", 2), ("group_size", 16), ("selector_rank", 8), ("_rank", 8), ("top_k", 8), ("num_candidates", 8))
 
 
 def _fields_read(cls) -> list[str]:
@@ -75,13 +75,31 @@ def _fields_read(cls) -> list[str]:
     return sorted(names)
 
 
+def _construct(cls, cfg):
+    """``cls(cfg)``, every parameter it leaves uninitialised (``nn.Parameter(torch.empty(...))``, which a checkpoint
+    would fill: DFlash2's convolution kernels) made zeros, so that a built drafter is finite and the same every run."""
+    import torch
+
+    empty = torch.empty
+
+    def zeros(*args, **kwargs):
+        kwargs.pop("memory_format", None)
+        return torch.zeros(*args, **kwargs)
+
+    torch.empty = zeros
+    try:
+        return cls(cfg).eval()
+    finally:
+        torch.empty = empty
+
+
 def build_drafter(cls, target, block_size: int, mask_token_id: int, num_layers: int = 2):
     """A drafter of ``cls`` fitting ``target``, from a scaled-down config: DFlash's fields, and for a class that needs
     more (DFlash2's ``conv_kernel_size``, ``selector_rank``...), small values for the fields its module reads."""
     cfg = presets.draft_config(target, cls.config_class, num_layers=num_layers, block_size=block_size, sliding_window=DRAFT_WINDOW)
     cfg.dflash_config = {**cfg.dflash_config, "mask_token_id": mask_token_id}
     try:
-        return cls(cfg).eval()
+        return _construct(cls, cfg)
     except Exception as first:
         extra = {}
         for field in _fields_read(cls):
@@ -93,7 +111,7 @@ def build_drafter(cls, target, block_size: int, mask_token_id: int, num_layers: 
         cfg.dflash_config = {**cfg.dflash_config, **extra}
         for key, value in extra.items():
             setattr(cfg, key, value)
-        return cls(cfg).eval()
+        return _construct(cls, cfg)
 
 
 def load_real(cfg: dict, draft_classes: dict, primary: str | None):

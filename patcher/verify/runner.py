@@ -82,11 +82,16 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
     result = None
     deadline = start + timeout
     with tempfile.TemporaryDirectory(prefix="ddpatch-verify-") as workdir:
-        child = _forked_child(cfg, env, workdir, deadline) or _FreshChild(cfg, env, workdir)
+        children = []
         try:
-            result = _read_events(child, deadline, progress, log)
+            for part in split(cfg):
+                children.append(_forked_child(part, env, workdir, deadline) or _FreshChild(part, env, workdir))
+            results = [_read_events(child, deadline, progress, log) for child in children] if len(children) == 1 else \
+                _read_all(children, deadline, progress, log)
         finally:
-            child.kill()
+            for child in children:
+                child.kill()
+    result = merged(results)
     seconds = time.perf_counter() - start
     if result is None:
         if seconds >= timeout:
@@ -98,6 +103,32 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
     if result.get("fatal"):
         raise VerifyError(result["fatal"])
     return Outcome(result, seconds, log)
+
+
+def split(cfg: dict) -> list[dict]:
+    """The children one verify runs: the random presets and the model pairs (the trained pair) in two processes side by
+    side where the machine has a second core (each is one thread: tiny models gain nothing from more), else one."""
+    if not cfg.get("pairs") or not cfg.get("presets") or cfg.get("target") or (os.cpu_count() or 1) < 2:
+        return [cfg]
+    return [{**cfg, "pairs": None}, {**cfg, "presets": []}]
+
+
+def merged(results: list) -> dict | None:
+    """One result from the children's: the first one's tree-wide checks (the same tree, loaded alike), every model."""
+    if any(r is None for r in results):
+        return None
+    for key in ("crash", "fatal"):
+        bad = next((r for r in results if r.get(key)), None)
+        if bad is not None:
+            return bad
+    first = dict(results[0])
+    for other in results[1:]:
+        names = {c["check"] for c in first.get("checks", [])}
+        first["checks"] = first.get("checks", []) + [c for c in other.get("checks", []) if c["check"] not in names or not c["passed"]]
+        first["models"] = first.get("models", []) + other.get("models", [])
+        for key, value in other.items():
+            first.setdefault(key, value)
+    return first
 
 
 def child_env() -> dict:
@@ -258,6 +289,45 @@ def warm_verifier():
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _read_all(children: list, deadline: float, progress, log: list[str]) -> list:
+    """Each child's result, reading their events as they come (a child that dies gives None)."""
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    results: dict[int, dict | None] = {}
+    for i, child in enumerate(children):
+        sel.register(child.stdout, selectors.EVENT_READ, i)
+    while len(results) < len(children):
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0:
+            break
+        ready = sel.select(timeout=min(remaining, 1.0))
+        if not ready:
+            for i, child in enumerate(children):
+                if i not in results and child.exited():
+                    results[i] = None
+                    sel.unregister(child.stdout)
+            continue
+        for key, _ in ready:
+            i, child = key.data, children[key.data]
+            line = child.stdout.readline()
+            if not line:
+                results[i] = None
+                sel.unregister(child.stdout)
+                continue
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                log.append(line)
+                continue
+            if event.get("event") == "progress" and progress is not None:
+                progress(event)
+            elif event.get("event") == "result":
+                results[i] = event["result"]
+                sel.unregister(child.stdout)
+    return [results.get(i) for i in range(len(children))]
 
 
 def _read_events(child, deadline: float, progress, log: list[str]) -> dict | None:

@@ -28,6 +28,7 @@ position (``DecodeContext.candidates``), then, if none matches, the whole table 
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Sequence
 
 from .context import DecodeContext
@@ -40,6 +41,9 @@ NOISE_NAMES = ("noise_embedding", "noise_embeds", "inputs_embeds")
 POSITION_NAMES = ("position_ids",)
 #: rows of the embedding table compared at once when the first token is searched in the whole table
 SEARCH_CHUNK = 8192
+#: sampled-mode rows kept per target (``_target_rows``)
+ROWS_MEMO = 256
+_ROWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class ScriptedDraft:
@@ -250,10 +254,15 @@ class ScriptedDraft:
 
     def _target_rows(self, block: list[int]):
         """The target's sharpened logits for the block's positions, on the decoder's context (where known, else
-        the reference), each proposal assumed to be the previous row's argmax; indexed by position - 1."""
+        the reference), each proposal assumed to be the previous row's argmax; indexed by position - 1. Memoised per
+        target and context: the distributional test decodes the same prompt hundreds of times."""
         import torch
 
         ids = self.context.prefix(block[0], self.reference)
+        key = (tuple(ids), tuple(block))
+        memo = _ROWS.setdefault(self.target, {})
+        if key in memo:
+            return memo[key]
         rows = {}
         device = self.target.get_input_embeddings().weight.device
         with torch.inference_mode():
@@ -261,6 +270,9 @@ class ScriptedDraft:
                 z = self.target(torch.tensor([ids], device=device), use_cache=False).logits[0, -1].float().cpu() * SAMPLING_SHARPEN
                 rows[p - 1] = z
                 ids.append(int(z.argmax()))
+        if len(memo) >= ROWS_MEMO:
+            memo.pop(next(iter(memo)))
+        memo[key] = rows
         return rows
 
     def describe(self) -> str:
