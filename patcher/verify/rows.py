@@ -132,6 +132,11 @@ def drafter_check(name: str, runs: list[dict], skipped: str | None = None) -> di
         evidence = (f"{len(judged)}/{len(judged)} runs, {sum(r['drafter']['rounds'] for r in judged)} drafter calls equal a "
                     "from-scratch drafter forward; max |Δ| " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
                     + f"; proposals {top[0]}/{top[1]}")
+        reviewed = [e for r in judged for e in r["drafter"].get("reviewed") or ()]
+        if reviewed:
+            fields = ", ".join(sorted({e["field"] for e in reviewed}))
+            evidence += (f"; reviewed deliberate difference ({fields}) in {len(reviewed)} rounds, e.g. round {reviewed[0]['round']}: "
+                         f"{reviewed[0]['detail']}")
     else:
         evidence = "no run"
     return {**check, "passed": bool(judged) and not over and not errors, "evidence": evidence}

@@ -72,28 +72,42 @@ class ScriptedDraft:
         self.rows = None
         self.context = DecodeContext(target)  # the decoder's committed path: the script follows it after a near-tie
         self.mode = "logits"  # "hidden" once a drafter call's logits never went through the head module
-        self.pending = None  # (block positions, scripted rows [q - 1, vocab]) from the last drafter call, not yet written
+        # (block positions, scripted rows [q - 1, vocab]) from the last drafter call: every call of the head on the
+        # drafter's output gets them (a tree may call it twice: its own logits, then DFlash2's propose), until the
+        # next target forward begins; ``written`` says whether any head call took them
+        self.pending = None
+        self.written = False
         self.stats = {"drafter_calls": 0, "scripted_at_logits": 0, "scripted_at_hidden": 0, "unscripted": 0,
                       "first_token": {"candidates": 0, "table": 0, "unknown": 0}}
         self._names = None
 
     # ------------------------------------------------------------------ hooks
     def attach(self, draft):
+        from .context import target_modules
+
         self._names = _input_names(draft)
         self.context.attach()
         return _Handles([
             draft.register_forward_pre_hook(self._before_draft, with_kwargs=True),
             draft.register_forward_hook(self._after_draft, with_kwargs=True),
             self.head.register_forward_hook(self._after_head),
+            *[m.register_forward_pre_hook(self._target_begins) for m in target_modules(self.target)],
         ], self.context)
+
+    def _target_begins(self, module, args):
+        """A target forward: the rows of the last drafter call are spent (a head call after it is the target's)."""
+        self._spend()
+
+    def _spend(self):
+        if self.pending is not None and not self.written:  # the last call's logits never went through the head module
+            self.stats["unscripted"] += 1
+            self.mode = "hidden"
+        self.pending, self.written = None, False
 
     def _before_draft(self, module, args, kwargs):
         if self.context.depth:  # the drafter inside a target forward: not a proposal
             return
-        if self.pending is not None:  # the last call's logits never went through the head module
-            self.stats["unscripted"] += 1
-            self.mode = "hidden"
-        self.pending = None
+        self._spend()
         bound = _bind(self._names["signature"], args, kwargs)
         positions = bound.get(self._names["positions"]) if self._names["positions"] else None
         noise = bound.get(self._names["noise"]) if self._names["noise"] else None
@@ -113,7 +127,7 @@ class ScriptedDraft:
         self.pending = (block, torch.stack([self.logits_for(p) for p in block[1:]]))
 
     def _after_draft(self, module, args, kwargs, output):
-        if self.mode != "hidden" or self.pending is None or self.context.depth:
+        if self.mode != "hidden" or self.pending is None or self.written or self.context.depth:
             return output
         hidden = output[0] if isinstance(output, tuple) else output
         if not hasattr(hidden, "dim") or hidden.dim() != 3 or hidden.shape[1] < 2:
@@ -135,10 +149,11 @@ class ScriptedDraft:
             return output
         new = output.clone()
         (new[0] if new.dim() == 3 else new)[-n:, :] = rows[-n:].to(output.dtype).to(output.device)
-        self.pending = None
-        self.stats["scripted_at_logits"] += 1
-        if self.mode == "hidden" and self.stats["scripted_at_hidden"]:
-            self.stats["scripted_at_hidden"] -= 1  # written at the logits after all
+        if not self.written:
+            self.stats["scripted_at_logits"] += 1
+            if self.mode == "hidden" and self.stats["scripted_at_hidden"]:
+                self.stats["scripted_at_hidden"] -= 1  # written at the logits after all
+        self.written = True
         return new
 
     # ------------------------------------------------------------------ the block's first token
