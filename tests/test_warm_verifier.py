@@ -319,6 +319,7 @@ def test_a_killed_run_leaves_neither_the_warm_verifier_nor_its_verify_running(tm
         _kill_groups(proc, said["server"], said["child"])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's; reads /proc")
 def test_the_parent_death_signal_ends_a_server_whose_pipe_is_still_open():
     """The run is SIGKILLed, and a process it forked still holds the write end of the server's stdin
