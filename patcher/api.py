@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable
 
+from . import shipped
 from .ci import BISECT_THRESHOLD, HUNK_LINES
 from .engine.recipe import Recipe, builtin_recipes, load_recipe
 from .errors import INPUT_ERRORS, CIError, EngineError, JournalError, RecipeError, VerifierCrash, VerifyError
@@ -188,10 +189,10 @@ def revert(path: str | Path, force: bool = False) -> RevertResult:
 
 
 def vendored_root() -> Path:
-    """The built-in upstream-shaped code (``vendored/``) of a source checkout."""
-    root = Path(__file__).resolve().parent.parent / "vendored"
+    """The built-in upstream-shaped code (``vendored/``), of the checkout or of the install (``patcher.shipped``)."""
+    root = shipped("vendored")
     if not root.is_dir():
-        raise ValueError("the built-in upstream-shaped code ships with the source checkout; install ddpatch with `pip install -e .` from a clone")
+        raise ValueError(f"the built-in upstream-shaped code is missing from this install ({root}); reinstall ddpatch")
     return root
 
 

@@ -26,6 +26,7 @@ from ..errors import VerifierCrash, VerifyError
 from ..results import Outcome
 from . import decoders
 from .trained import FOLDER_PRESETS, folder_preset_options, pair_options
+from .warm import PARENT_ENV
 
 DEFAULTS = dict(
     presets=["tiny-qwen3_5"],
@@ -260,7 +261,13 @@ def warm_verifier():
     environment) forks its children from one process that imported torch and transformers
     once, instead of starting a fresh Python per tree: about half of a tiny-preset verify's
     time. Every tree is still judged in a process of its own (see ``warm.py``). A request it
-    cannot serve exactly, or a warm verifier that died, falls back to a fresh process."""
+    cannot serve exactly, or a warm verifier that died, falls back to a fresh process.
+
+    The server's standard input is a pipe that only this process writes to: when this process
+    ends, however it ends (SIGKILL included), the kernel closes it and the server exits with
+    its children; on Linux the parent-death signal tells it too (the kernel sends it when the
+    thread that entered this block ends: leave the block in the thread that entered it).
+    ``DDPATCH_WARM_IDLE`` (seconds, default 900, 0 never) ends a server nobody asked anything for that long."""
     if os.environ.get(WARM_ENV):
         yield os.environ[WARM_ENV]  # one already serves this process
         return
@@ -268,8 +275,8 @@ def warm_verifier():
     path = os.path.join(folder, "socket")
     proc = subprocess.Popen(
         [sys.executable, str(WORKER), "--serve", path],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        cwd=folder, env=child_env(), start_new_session=True,
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=folder, env={**child_env(), PARENT_ENV: str(os.getpid())}, start_new_session=True,
     )
     for _ in range(200):  # it binds before it imports: a request waits in its backlog, not on a missing file
         if os.path.exists(path) or proc.poll() is not None:
@@ -281,6 +288,7 @@ def warm_verifier():
     finally:
         if os.environ.get(WARM_ENV) == path:
             del os.environ[WARM_ENV]
+        proc.stdin.close()  # the server's cue to exit with its children (the SIGTERM below is the same)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
