@@ -113,3 +113,26 @@ def test_an_unpatched_tree_names_its_first_real_failure_beside_the_timing_one():
     then = row["then"]
     assert then["shimmed"] == ["cuda"] and "it then fails" in then["text"] and then.get("hint"), then
     assert "cpu-safe-timing" not in then["hint"], "the next failure is the code's own, with its own step"
+
+
+@pytest.mark.slow
+def test_a_shortened_last_block_is_not_failed_and_a_tree_built_wrong_fails_the_default_verify(tmp_path):
+    """DFlash's newest shortens its last block; the acceptance check judges the rounds before it (the old floor, which
+    assumed whole last blocks, failed the correct tree: 3.10 < 3.40). A tree built with one node fewer than its budget
+    keeps every token exact; the trained pair's acceptance row fails it in the default verify."""
+    from drift.variants import VARIANTS
+
+    (variant,) = [v for v in VARIANTS if v.name == "last-block-short"]
+    tree = apply(variant.make(tmp_path / "src"), tmp_path / "short")
+    proc = ddpatch("verify", tree, "--preset", "trained-qwen3_5", "--greedy-only", "--format", "json")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
+    row = checks_of(json.loads(proc.stdout))[("trained-qwen3_5", "acceptance: dflash")]
+    assert row["passed"] and not row.get("info") and "last round(s) left out" in row["evidence"], row["evidence"]
+
+    wrong = edit(apply(ROOT / "vendored" / "ddtree", tmp_path / "budget"), "ddtree.py",
+                 "while frontier and len(tokens) < budget:", "while frontier and len(tokens) < budget - 1:")
+    proc = ddpatch("verify", wrong, "--greedy-only", "--entry", "ddtree.py:ddtree_generate", "--format", "json")
+    checks = checks_of(json.loads(proc.stdout))
+    failed = {k for k, c in checks.items() if not c["passed"]}
+    assert proc.returncode == 1 and ("trained-qwen3_5", "acceptance: ddtree_tb8") in failed, failed
+    assert all(c["passed"] for (m, name), c in checks.items() if name.startswith("lossless")), "the tokens stay exact"
