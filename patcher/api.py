@@ -223,12 +223,70 @@ def workflow_template() -> str:
     return workflow_template()
 
 
-def verify(path: str | Path, timeout: float = 600.0, progress: Callable[[dict], None] | None = None, **options) -> Outcome:
+def verify(path: str | Path, timeout: float = 600.0, progress: Callable[[dict], None] | None = None, upstream_tests: bool = False,
+           original: str | Path | None = None, **options) -> Outcome:
     """Run the tree's own decoders in a child process and judge them (options: the keys of ``patcher.verify.runner.DEFAULTS``,
-    ``target``/``draft`` folders, ``scripted_draft``, ``temperature``, ...)."""
+    ``target``/``draft`` folders, ``scripted_draft``, ``temperature``, ...). ``upstream_tests``: also run the tree's own
+    tests before and after the patch (the unpatched tree: ``original``, else the in-place apply's journal)."""
     from .verify.runner import run_verify
 
-    return run_verify(Path(path), timeout=timeout, progress=progress, **options)
+    unpatched = _unpatched(Path(path), original) if upstream_tests or original is not None else None  # bad input: before the run
+    outcome = run_verify(Path(path), timeout=timeout, progress=progress, **options)
+    if unpatched is not None:
+        from .verify.upstream_tests import upstream_tests_row
+
+        outcome.result.setdefault("checks", []).append(upstream_tests_row(Path(path), unpatched, _steps_by_file, timeout, progress))
+    return outcome
+
+
+# ----------------------------------------------------------------------------- verify --upstream-tests
+def _unpatched(path: Path, original: str | Path | None):
+    """The tree ``verify --upstream-tests`` runs the tests on before the patch: ``--original``, else ``path`` with the
+    original bytes its latest in-place apply journalled. A tree written by ``apply --out`` has no journal: bad input."""
+    import base64
+    import json
+
+    from .engine import journal
+    from .verify.upstream_tests import Unpatched
+
+    if original is not None:
+        source = Path(original).expanduser().resolve()
+        if not source.is_dir():
+            raise VerifyError(f"--original {original} is not a directory")
+        if path.is_dir() and source == path.resolve():
+            raise VerifyError(f"--original {original} is the patched tree itself; give the unpatched one")
+        return Unpatched(source, None, str(source))
+    entry = journal.latest(path.resolve()) if path.is_dir() else None
+    if entry is None:
+        raise VerifyError(f"--upstream-tests: no in-place apply of {path} is on record (journals under {journal.home() / 'journals'}), "
+                          f"so its unpatched tree is unknown; for a tree written by `ddpatch apply SRC --out {path}`, pass --original SRC")
+    files = json.loads(entry.read_text())["files"]
+    bad = [f["path"] for f in files if Path(f["path"]).is_absolute() or ".." in Path(f["path"]).parts]
+    if bad:
+        raise VerifyError(f"--upstream-tests: the journal {entry} names a file outside the tree: {bad[0]!r}")
+    return Unpatched(path.resolve(), {f["path"]: None if f["original"] is None else base64.b64decode(f["original"]) for f in files},
+                     f"the in-place apply's journal {entry.name}")
+
+
+def _steps_by_file(before: Path, after: Path) -> dict[str, list[str]]:
+    """Per file the recipe rewrites in ``before``, the steps with a site there (``check``), narrowed to those the patched
+    file's provenance line names when it names any of them (an apply with --select/--ignore)."""
+    from .engine.files import read_provenance
+    from .results import APPLIED, PENDING
+
+    try:
+        report = check(before, jobs=1)
+    except INPUT_ERRORS:
+        return {}
+    out: dict[str, list[str]] = {}
+    for step in report.steps:
+        for site in step.sites:
+            if site.status in (APPLIED, PENDING) and step.spec.id not in out.setdefault(site.path, []):
+                out[site.path].append(step.spec.id)
+    for rel, steps in out.items():
+        named = read_provenance((after / rel).read_text(errors="replace")) if (after / rel).is_file() else set()
+        out[rel] = [s for s in steps if s in named] or steps
+    return out
 
 
 # ----------------------------------------------------------------------------- ci

@@ -283,6 +283,12 @@ generate_options = _options(
 @generate_options
 @click.option("--html", "html_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Also write an offline, self-contained HTML page: |Δlogit| per position against the tolerance, near-ties, acceptance.")
+@click.option("--upstream-tests", is_flag=True,
+              help="Also run the tree's own tests (pytest, on CPU, as installed and without torch) before and after the patch: "
+                   "a test that passed before and fails after is a finding that names the step.")
+@click.option("--original", type=click.Path(path_type=Path), default=None,
+              help="The unpatched tree, for --upstream-tests (which it implies): needed for a tree written by apply --out; an in-place "
+                   "apply's journal holds the original files.")
 @FORMAT
 @friendly
 def verify(path, timeout, temperature, top_p, top_k, sampling_runs, default_init, logit_tolerance, fmt, generate, modes, assistant,
@@ -309,6 +315,8 @@ def verify(path, timeout, temperature, top_p, top_k, sampling_runs, default_init
     options = _verify_options(**verify_options)
     if (top_p is not None or top_k is not None) and not temperature:
         raise Failure("--top-p and --top-k need --temperature > 0")
+    if generate and (options.get("upstream_tests") or options.get("original")):
+        raise Failure("--upstream-tests and --original judge a patched tree (PATH); --generate has none")
     if generate:
         sys.exit(_verify_generate(path, fmt, modes, assistant, options, temperature, top_p, top_k, sampling_runs))
     if path is None:
