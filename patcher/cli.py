@@ -189,7 +189,8 @@ def check(path, **options) -> None:
 
 
 verify_options = _options(
-    click.option("--preset", "presets", multiple=True, type=click.Choice(sorted(PRESETS)), help="Built-in tiny model (repeatable). Default: tiny-qwen3_5."),
+    click.option("--preset", "presets", multiple=True, type=click.Choice(sorted(PRESETS)),
+                 help="Built-in tiny model (repeatable). Default: tiny-qwen3_5 and the trained pair trained-qwen3_5."),
     click.option("--target", type=click.Path(path_type=Path), default=None, help="A local target model folder (from_pretrained, offline)."),
     click.option("--draft", type=click.Path(path_type=Path), default=None, help="A local draft model folder for the tree's DFlashDraftModel."),
     click.option("--scripted-draft", is_flag=True,
@@ -295,13 +296,16 @@ def verify(path, timeout, temperature, top_p, top_k, sampling_runs, default_init
            html_file, **verify_options) -> None:
     """Prove a patched tree decodes losslessly: speculative greedy output must equal the target's greedy.
 
-    Loads the tree's own dflash_generate / ddtree_generate / DFlashDraftModel in a child
-    process, warms up, runs a short benchmark (DFlash and DDTree at each tree budget)
-    and checks token identity, the logits the decoder used against one from-scratch
-    forward, the reference decoder's own consistency, acceptance lengths and speed. With
-    --temperature it decodes sampled and seeded, and adds a distributional test. Exit 0
-    only if every check passed; 1 if a check failed; 2 on bad input or a timeout; 3 if
-    the verifier itself crashed.
+    Finds every decoder the tree holds (a function that runs a model with a cache in a loop;
+    --entry picks them) and every drafter class it defines, loads them in a child process,
+    warms up, and runs a short benchmark of each decoder with each drafter class (a tree
+    decoder at each budget): by default on tiny-qwen3_5 with a scripted draft, greedy and
+    (for decoders that take a temperature) sampled, and on the shipped trained pair, whose
+    acceptance is judged against a correct tree's. It checks token identity, the logits the
+    decoder used against one from-scratch forward, that rounds accepted part of a block (else
+    inconclusive), the drafter's inputs, acceptance and speed. Exit 0 only if every check
+    passed; 1 if a check failed or was inconclusive; 2 on bad input or a timeout; 3 if the
+    verifier itself crashed.
 
     \b
     ddpatch verify patched/                          # tiny hybrid preset, CPU

@@ -165,11 +165,13 @@ def horizon_of(n: int, block_size: int) -> int:
 
 
 def method_check(name: str, runs: list[dict], floor_data: dict | None, why_none: str, cfg: dict, dtype: str,
-                 references: list[list[int]], drafter: dict, kind: str = "chain", budget: int | None = None) -> dict:
+                 references: list[list[int]], drafter: dict, kind: str | None = None, budget: int | None = None) -> dict:
     """The ``acceptance: METHOD`` row: judged against the stored floor, or reported (``info``) without one. Any chain
     decoder is judged against the floor of ddpatch's chain reference decode (``dflash``), any tree decoder at budget
     B against the tree's (``ddtree_tbB``)."""
     check = {"check": f"acceptance: {name}"}
+    if kind is None:  # named the reference decoders' way: dflash, ddtree_tbB
+        kind, budget = ("tree", int(name.rsplit("tb", 1)[1])) if name.startswith("ddtree_tb") else ("chain", None)
     done = [r for r in runs if r.get("acceptance")]
     lengths = [a for r in done for a in r["acceptance"]]
     mean = _mean(lengths)

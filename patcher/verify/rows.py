@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import drafter_oracle
+from . import drafter_oracle, drafter_verdict
 from .events import error_summary
 
 
@@ -53,9 +53,9 @@ def drafter_calibration(target, draft, prompt, reference, mask_token_id, block_s
 def judge_drafter(drafted, target, draft, final, mask_token_id, dcal, reviewed=()):
     """The drafter oracle's verdict on one decode; a reference it cannot compute is a skip, not a pass."""
     try:
-        return drafter_oracle.judge(drafted, target, draft, final, mask_token_id, dcal, tuple(reviewed or ()))
+        return drafter_verdict.judge(drafted, target, draft, final, mask_token_id, dcal, tuple(reviewed or ()))
     except Exception as exc:
-        return drafter_oracle.DrafterVerdict(skipped=f"its from-scratch reference failed: {error_summary(exc)['error']}")
+        return drafter_verdict.DrafterVerdict(skipped=f"its from-scratch reference failed: {error_summary(exc)['error']}")
 
 
 def first_partial(acceptance: list[int], block_size: int) -> int | None:

@@ -57,7 +57,11 @@ def folder_preset_options(options: dict) -> dict:
     (``ValueError``)."""
     names = list(options.get("presets") or ())
     chosen = [n for n in names if n in FOLDER_PRESETS]
-    if not chosen or len(names) > 1:  # beside other presets it runs as a pair (``pair_options``)
+    if not chosen:
+        return options
+    if options.get("target") or options.get("draft"):
+        raise ValueError(f"--preset {chosen[0]} brings its own --target and --draft folders: pass either, not both")
+    if len(names) > 1:  # beside other presets it runs as a pair (``pair_options``)
         return options
     if options.get("target") or options.get("draft"):
         raise ValueError(f"--preset {chosen[0]} brings its own --target and --draft folders: pass either, not both")
