@@ -34,6 +34,7 @@ KEYS = {
     "presets": "a list of preset names (verify, ci --verify)",
     "format": '"text" or "json"',
     "allow-lossy": "true or false",
+    "include-vendored": "true or false",
 }
 
 
@@ -89,9 +90,9 @@ def _validate(values: dict[str, Any], path: Path) -> dict[str, Any]:
         elif key == "format":
             if value not in ("text", "json"):
                 raise ConfigError(f"config {path}: format must be {KEYS['format']}, got {value!r}")
-        elif key == "allow-lossy":
+        elif key in ("allow-lossy", "include-vendored"):
             if not isinstance(value, bool):
-                raise ConfigError(f"config {path}: allow-lossy must be {KEYS['allow-lossy']}, got {value!r}")
+                raise ConfigError(f"config {path}: {key} must be {KEYS[key]}, got {value!r}")
         elif not isinstance(value, str) or not value:
             raise ConfigError(f"config {path}: {key} must be {KEYS[key]}, got {value!r}")
         if key == "recipe" and value.endswith(".toml") and not Path(value).is_absolute():
