@@ -149,25 +149,28 @@ def test_what_makes_a_folder_look_vendored():
 
 # ----------------------------------------------------------------------------- the pipeline's stages
 def test_a_worker_pools_results_are_kept_for_the_next_run_in_this_process(tmp_path, monkeypatch):
-    """``_map_files`` sends the files the text prefilter let through to workers, and keeps what they found."""
+    """``_map_files`` sends the files the text prefilter let through to workers, and keeps what they
+    found: a second run in this process neither parses them nor starts a pool."""
     root = fork(tmp_path, {})
-    monkeypatch.setattr(pipeline, "POOL_MIN_FILES", 2)
-    pipeline._MEMO.clear()
+    pipeline._ANALYSED.clear()
     first = pipeline.run_recipe(RECIPE, root, jobs=2)
-    assert len(pipeline._MEMO) >= 4  # ddtree.py, dflash.py, benchmark.py, model/dflash.py, model/utils.py
+    assert len(pipeline._ANALYSED) == 5  # ddtree.py, dflash.py, benchmark.py, model/dflash.py, model/utils.py
 
-    def no_parse(*args):
-        raise AssertionError("parsed again")
+    def not_again(*args, **kwargs):
+        raise AssertionError("analysed again")
 
-    monkeypatch.setattr(pipeline, "_transform", no_parse)
-    again = pipeline.run_recipe(RECIPE, root, jobs=1)
-    assert [(f.path, f.patched, [(s.step, s.line, s.status) for s in f.sites]) for f in again.files] == \
-           [(f.path, f.patched, [(s.step, s.line, s.status) for s in f.sites]) for f in first.files]
+    monkeypatch.setattr(pipeline, "analyse", not_again)
+    monkeypatch.setattr(pipeline, "ProcessPoolExecutor", not_again)
+    for jobs in (2, 1):
+        again = pipeline.run_recipe(RECIPE, root, jobs=jobs)
+        assert [(f.path, f.patched, [(s.step, s.line, s.status, s.message) for s in f.sites]) for f in again.files] == \
+               [(f.path, f.patched, [(s.step, s.line, s.status, s.message) for s in f.sites]) for f in first.files]
 
 
 def test_only_the_files_the_text_prefilter_lets_through_go_on(tmp_path, monkeypatch):
     root = fork(tmp_path, {"toolkit/plain.py": "def area(w, h):\n    return w * h\n"})
     seen = []
+    pipeline._ANALYSED.clear()
     real = pipeline.analyse
     monkeypatch.setattr(pipeline, "analyse", lambda text, *rest: seen.append(text) or real(text, *rest))
     report = pipeline.run_recipe(RECIPE, root, jobs=1)

@@ -190,18 +190,14 @@ def transform_source(text: str, steps: list[tuple[StepSpec, type]], in_package: 
     hit = _MEMO.get(key)
     if hit is None:
         new, sites, needs_runtime = _transform(text, steps, in_package)
-        _remember(key, text, new, sites, needs_runtime)
+        # an unchanged file (most of them) is kept as None, not as a second copy of its text
+        _MEMO[key] = (None if new == text else new, tuple(dataclasses.replace(s) for s in sites), needs_runtime)
+        if len(_MEMO) > _MEMO_SIZE:
+            _MEMO.popitem(last=False)
         return new, sites, needs_runtime
     _MEMO.move_to_end(key)
     new, sites, needs_runtime = hit
     return text if new is None else new, [dataclasses.replace(s) for s in sites], needs_runtime
-
-
-def _remember(key: tuple, text: str, new: str | None, sites: list[Site], needs_runtime: bool) -> None:
-    # an unchanged file (most of them) is kept as None, not as a second copy of its text
-    _MEMO[key] = (None if new is None or new == text else new, tuple(dataclasses.replace(s) for s in sites), needs_runtime)
-    if len(_MEMO) > _MEMO_SIZE:
-        _MEMO.popitem(last=False)
 
 
 def _transform(text: str, steps: list[tuple[StepSpec, type]], in_package: bool) -> tuple[str, list[Site], bool]:
@@ -411,38 +407,46 @@ def tree_scan(spec: StepSpec, cls: type, scanned: dict[str, str]) -> StepSpec:
     return dataclasses.replace(spec, params={**spec.params, **extra}) if extra else spec
 
 
-#: Below this many files for LibCST, the steps run in this process: a pool costs more CPU than it saves
-#: wall time on a few files, and far more when this process already has their results (``_MEMO``:
-#: ``ddpatch ci``, the API, the tests). Measured on vendored/ddtree (5 such files), jobs 2, in one
-#: process: the first check 1.5-1.6 CPU s with a pool, 1.0-1.4 without; eight more 0.8-0.9 against 0.4-0.7.
-POOL_MIN_FILES = 8
+#: ``analyse``'s results by (text, the steps the text prefilter let through, in_package), newest last:
+#: a file met again in this process (``ddpatch ci``'s commits, a check then an apply through the API,
+#: the tests) is neither parsed again nor sent to a worker.
+_ANALYSED: "OrderedDict[tuple, tuple]" = OrderedDict()
+#: Below this many files left for LibCST, they are analysed in this process: a pool's start then costs
+#: more than it saves.
+POOL_MIN_FILES = 2
 
 
 def _map_files(paths: list[Path], results: list[FileResult], specs, recipe: Recipe, jobs: int, progress=None) -> list[FileResult]:
     """Stages 3 and 4 over the tree: the text prefilter here, then ``analyse`` for the few files it lets
-    through, in ``jobs`` worker processes when there are enough of them (only those files' texts go
-    to the workers; what they find is kept in this process's ``_MEMO`` too)."""
+    through that this process has not analysed yet, in ``jobs`` worker processes when there are
+    at least ``POOL_MIN_FILES`` of them (only those files' texts go to the workers)."""
     n = len(results)
-    todo = [(result, active, (path.parent / "__init__.py").exists()) for result, path in zip(results, paths)
-            if result.error is None for active in [prefilter(result.original, specs)] if active]
+    todo = []
+    for result, path in zip(results, paths):
+        active = prefilter(result.original, specs) if result.error is None else []
+        if active:
+            in_package = (path.parent / "__init__.py").exists()
+            todo.append((result, _memo_key(result.original, active, in_package), (result.original, active, in_package)))
     done = n - len(todo)
     if progress is not None:
         for i in range(1, done + 1):
             progress(i, n)
-    if jobs <= 1 or len(todo) < POOL_MIN_FILES:
-        return _collect(todo, (analyse(r.original, active, in_package) for r, active, in_package in todo), recipe, done, n, progress, results)
-    with ProcessPoolExecutor(max_workers=min(jobs, len(todo))) as pool:
-        analysed = pool.map(analyse, *zip(*[(r.original, active, in_package) for r, active, in_package in todo]),
-                            chunksize=max(1, min(8, len(todo) // (4 * jobs))))
-        return _collect(todo, analysed, recipe, done, n, progress, results, remember=True)
-
-
-def _collect(todo, analysed, recipe: Recipe, done: int, n: int, progress, results, remember: bool = False) -> list[FileResult]:
-    for (result, active, in_package), out in zip(todo, analysed):
-        kept, new, sites, needs_runtime, error = out
-        if remember and kept and error is None:  # a worker's result, for the next run in this process
-            _remember(_memo_key(result.original, [active[i] for i in kept], in_package), result.original, new, sites, needs_runtime)
-        merge(result, conclude(result.original, out, recipe))
+    new = list({key: args for _result, key, args in todo if key not in _ANALYSED}.items())
+    found: dict[tuple, tuple] = {}
+    if jobs > 1 and len(new) >= POOL_MIN_FILES:
+        with ProcessPoolExecutor(max_workers=min(jobs, len(new))) as pool:
+            chunks = max(1, min(8, len(new) // (4 * jobs)))
+            found = dict(zip((key for key, _ in new), pool.map(analyse, *zip(*(args for _, args in new)), chunksize=chunks)))
+    for result, key, args in todo:
+        out = _ANALYSED.get(key) or found.get(key) or analyse(*args)
+        if key in _ANALYSED:
+            _ANALYSED.move_to_end(key)
+        else:
+            _ANALYSED[key] = out[:2] + (tuple(dataclasses.replace(s) for s in out[2]),) + out[3:]
+            if len(_ANALYSED) > _MEMO_SIZE:
+                _ANALYSED.popitem(last=False)
+        kept, new_text, sites, needs_runtime, error = out
+        merge(result, conclude(result.original, (kept, new_text, [dataclasses.replace(s) for s in sites], needs_runtime, error), recipe))
         done += 1
         if progress is not None:
             progress(done, n)
