@@ -153,6 +153,7 @@ def test_a_worker_pools_results_are_kept_for_the_next_run_in_this_process(tmp_pa
     found: a second run in this process neither parses them nor starts a pool."""
     root = fork(tmp_path, {})
     pipeline._ANALYSED.clear()
+    monkeypatch.setattr(pipeline, "POOL_MIN_FILES", 2)  # a pool for vendored/ddtree's five files
     first = pipeline.run_recipe(RECIPE, root, jobs=2)
     assert len(pipeline._ANALYSED) == 5  # ddtree.py, dflash.py, benchmark.py, model/dflash.py, model/utils.py
 

@@ -61,7 +61,7 @@ class DecoderSignals:
 
     def find(self, text: str) -> str | None:
         """What in ``text`` says a decoder may be there (``defines ddtree_generate``), or None."""
-        if self._defs is not None and "def" in text:
+        if self._defs is not None and any(name in text for name in self.names):  # ``in`` first: most files have none
             m = self._defs.search(text)
             if m:
                 return f"defines {m.group(1)}"
