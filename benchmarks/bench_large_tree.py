@@ -12,21 +12,27 @@ other projects (issue 39: a 331-file fork took 193 s to check):
   (``external/toolkit``), whose words (``crop``, ``hidden_states``, ``datasets``,
   ``synchronize(``) pass the text prefilter, as real packages' do.
 
-Nothing copied is written into the repository. Then it runs, one after the other and
-``--repeat`` times each (the table shows medians), every command in its own process:
+Nothing copied is written into the repository. Then it runs, ``--repeat`` times each (the
+table shows medians), every command in its own process, each right after a run of the yardstick:
 
-* ``ast.parse`` of every Python file of the tree (a ``python -c`` loop: its own parse time,
-  and the process's wall time, the yardstick);
+* ``ast.parse`` of every Python file of the tree (a ``python -c`` loop; it also prints its own
+  parse time, without the interpreter's start);
 * ``ddpatch check TREE``, ``ddpatch diff TREE``, ``ddpatch apply TREE --out OUT`` (a new OUT
   each run) and ``ddpatch apply TREE`` in place (on a fresh copy each run, copied outside the
   timer: atomic writes and the journal);
 * ``ddpatch check TREE --include-vendored`` (every file checked: what leaving the vendored
   folders out saves).
 
-It prints one row per command: wall s (median), peak MB of the process tree, exit code, and
-the ratio to the ``ast.parse`` process; ``--json`` prints the same as one JSON object.
+It prints one row per command: wall s and CPU s (user + system, the workers included; the
+figure to trust on a busy machine), peak MB of the process tree, exit code, and the ratio of
+each run to the ``ast.parse`` run just before it (median over runs), for wall and for CPU
+time. ``--json`` prints the same as one JSON object.
 
 Usage: python benchmarks/bench_large_tree.py [--repeat 3] [--jobs N] [--copied 320] [--generated 120] [--json] [--keep DIR]
+       [--commands check,diff,...]
+
+The script times the checkout it lives in (``python -m patcher`` with that checkout first on
+``PYTHONPATH``): a copy of it in an older checkout times that one on the same tree.
 """
 
 from __future__ import annotations
@@ -36,15 +42,17 @@ import importlib.util
 import json
 import os
 import random
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import measure  # noqa: E402  (wall and peak memory of one run, from /proc)
+from bench_engine import tree_rss_kb  # noqa: E402  (the RSS of a process tree, from /proc)
 
 ROOT = Path(__file__).resolve().parents[1]
 #: installed package -> the vendored folder it is copied into, and how that folder says "vendored"
@@ -138,10 +146,25 @@ def ddpatch(*args: str) -> list[str]:
     return [sys.executable, "-P", "-m", "patcher", *args]
 
 
-def parse_run(tree: Path, out: Path) -> tuple[float, float, float]:
-    """(wall s of the process, its own parse s, peak MB) of ``ast.parse`` over every file of ``tree``."""
-    wall, peak, _code = measure([sys.executable, "-c", PARSE, str(tree)], ROOT, out)
-    return wall, float(out.read_text().split()[1]), peak
+def measure(cmd: list[str], out: Path) -> dict:
+    """Wall s, CPU s (user + system of the process and the children it waited for: ddpatch's
+    workers), peak MB of the process tree and exit code of one run; stdout goes to ``out``."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with open(out, "w") as stdout:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=stdout, stderr=subprocess.PIPE, env=env, text=True)
+        peak = 0
+        while proc.poll() is None:
+            peak = max(peak, tree_rss_kb(proc.pid))
+            time.sleep(0.02)
+        wall = time.perf_counter() - start
+        err = proc.stderr.read()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode not in (0, 1):  # 1: check and diff find changes
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err[-2000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"wall": wall, "cpu": cpu, "peak": peak / 1024, "code": proc.returncode}
 
 
 def main() -> None:
@@ -152,6 +175,9 @@ def main() -> None:
     parser.add_argument("--generated", type=int, default=120, help="Generated toolkit modules (external/toolkit).")
     parser.add_argument("--json", action="store_true", help="Print one JSON object instead of the table.")
     parser.add_argument("--keep", type=Path, default=None, help="Build the tree here (new or empty) and keep it.")
+    parser.add_argument("--commands", default=None,
+                        help="Only these rows, comma-separated (check, diff, apply --out, apply in place, check --include-vendored); "
+                             "ast.parse always runs. For a checkout that predates --include-vendored, leave that one out.")
     args = parser.parse_args()
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
 
@@ -177,16 +203,16 @@ def main() -> None:
             "apply in place": None,  # a fresh copy each run
             "check --include-vendored": ddpatch("check", str(tree), "--include-vendored", *jobs),
         }
-        walls: dict[str, list[float]] = {"ast.parse": [], **{name: [] for name in commands}}
-        peaks: dict[str, float] = {name: 0.0 for name in walls}
-        codes: dict[str, int] = {}
-        parse_own: list[float] = []
+        if args.commands:
+            wanted = [c.strip() for c in args.commands.split(",") if c.strip()]
+            unknown = sorted(set(wanted) - set(commands))
+            if unknown:
+                raise SystemExit(f"--commands: unknown {', '.join(unknown)}; known: {', '.join(commands)}")
+            commands = {name: cmd for name, cmd in commands.items() if name in wanted}
+        runs: dict[str, list[dict]] = {name: [] for name in commands}
+        parses: list[dict] = []
+        ratios: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
         for run in range(args.repeat):
-            wall, own, peak = parse_run(tree, tmp / "parse.out")
-            walls["ast.parse"].append(wall)
-            parse_own.append(own)
-            peaks["ast.parse"] = max(peaks["ast.parse"], peak)
-            log(f"  {'ast.parse':<26} {wall:7.2f} s (parsing alone {own:.2f} s)")
             for name, cmd in commands.items():
                 if name == "apply --out":
                     cmd = ddpatch("apply", str(tree), "--out", str(tmp / f"out{run}"), *jobs)
@@ -194,23 +220,32 @@ def main() -> None:
                     copy = tmp / f"inplace{run}"
                     shutil.copytree(tree, copy)
                     cmd = ddpatch("apply", str(copy), *jobs)
-                wall, peak, code = measure(cmd, ROOT, tmp / "cmd.out")
-                walls[name].append(wall)
-                peaks[name] = max(peaks[name], peak)
-                codes[name] = code
-                log(f"  {name:<26} {wall:7.2f} s  exit {code}")
+                # the yardstick right before each command: a ratio compares two runs seconds apart
+                parse = measure([sys.executable, "-c", PARSE, str(tree)], tmp / "parse.out")
+                parse["alone"] = float((tmp / "parse.out").read_text().split()[1])
+                parses.append(parse)
+                got = measure(cmd, tmp / "cmd.out")
+                runs[name].append(got)
+                ratios[name].append((got["wall"] / parse["wall"], got["cpu"] / parse["cpu"]))
+                log(f"  {name:<26} {got['wall']:7.2f} s wall {got['cpu']:6.2f} s CPU  exit {got['code']}   "
+                    f"(ast.parse just before: {parse['wall']:.2f} s wall, {parse['cpu']:.2f} s CPU)")
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}  # as measure() runs it
         report = json.loads(subprocess.run(ddpatch("check", str(tree), "--format", "json", *jobs), cwd=ROOT, env=env,
                                            capture_output=True, text=True).stdout)
         left_out = [v for v in report.get("vendored", []) if not v["checked"]]
 
-    base = statistics.median(walls["ast.parse"])
-    rows = [{"command": name, "wall_s": round(statistics.median(w), 3), "runs": len(w), "peak_mb": round(peaks[name]),
-             "exit_code": codes.get(name, 0), "ratio_to_ast_parse": round(statistics.median(w) / base, 2)} for name, w in walls.items()]
+    def row(name: str, got: list[dict], pairs: list[tuple[float, float]] | None) -> dict:
+        return {"command": name, "runs": len(got), "wall_s": round(statistics.median(g["wall"] for g in got), 3),
+                "cpu_s": round(statistics.median(g["cpu"] for g in got), 3), "peak_mb": round(max(g["peak"] for g in got)),
+                "exit_code": got[-1]["code"],
+                "wall_ratio": round(statistics.median(p[0] for p in pairs), 2) if pairs else 1.0,
+                "cpu_ratio": round(statistics.median(p[1] for p in pairs), 2) if pairs else 1.0}
+
+    rows = [row("ast.parse", parses, None)] + [row(name, runs[name], ratios[name]) for name in commands]
     result = {
-        "tree": {k: v for k, v in info.items()},
+        "tree": dict(info),
         "left_out": [{"path": v["path"], "reason": v["reason"], "files": v["files"]} for v in left_out],
-        "ast_parse_alone_s": round(statistics.median(parse_own), 3),
+        "ast_parse_alone_s": round(statistics.median(p["alone"] for p in parses), 3),
         "rows": rows,
         "machine": {"cpus": os.cpu_count(), "load_start": round(load_start, 2), "load_end": round(os.getloadavg()[0], 2),
                     "python": sys.version.split()[0], "libcst": version("libcst"), "jobs": args.jobs},
@@ -220,12 +255,14 @@ def main() -> None:
         return
     print(f"\nload average {result['machine']['load_end']:.2f} at end; left out as vendored: "
           + ", ".join(f"{v['path']}/ ({v['reason']}, {v['files']} files)" for v in result["left_out"]))
-    header = f"{'command':<26} {'wall s':>8} {'runs':>4} {'peak MB':>8} {'exit':>4} {'x ast.parse':>11}"
+    header = f"{'command':<26} {'runs':>4} {'wall s':>7} {'CPU s':>6} {'peak MB':>7} {'exit':>4} {'x ast.parse wall':>16} {'x ast.parse CPU':>15}"
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['command']:<26} {r['wall_s']:>8.2f} {r['runs']:>4} {r['peak_mb']:>8} {r['exit_code']:>4} {r['ratio_to_ast_parse']:>10.2f}x")
-    print(f"(ast.parse's own parse time, without the interpreter's start: {result['ast_parse_alone_s']:.2f} s)")
+        print(f"{r['command']:<26} {r['runs']:>4} {r['wall_s']:>7.2f} {r['cpu_s']:>6.2f} {r['peak_mb']:>7} {r['exit_code']:>4} "
+              f"{r['wall_ratio']:>15.2f}x {r['cpu_ratio']:>14.2f}x")
+    print(f"(ratios: the median over runs of each run against the ast.parse run just before it; ast.parse's own "
+          f"parse time, without the interpreter's start: {result['ast_parse_alone_s']:.2f} s)")
 
 
 if __name__ == "__main__":
