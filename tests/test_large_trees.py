@@ -168,6 +168,29 @@ def test_a_worker_pools_results_are_kept_for_the_next_run_in_this_process(tmp_pa
                [(f.path, f.patched, [(s.step, s.line, s.status, s.message) for s in f.sites]) for f in first.files]
 
 
+def test_each_file_gets_its_own_result_with_copies_a_pool_and_a_full_memo(tmp_path, monkeypatch):
+    """Files with the same text share one analysis; with a pool, each other file takes the next worker
+    result, even when the memo drops entries during the run (a wrong pairing swaps texts)."""
+    root = fork(tmp_path, {"zz/timing.py": "import torch\n\n\ndef wait():\n    torch.cuda.synchronize()\n"})  # new, after the copies
+    for copy in ("copy_a", "copy_b"):
+        for name in ("ddtree.py", "dflash.py", "benchmark.py"):
+            (root / copy).mkdir(exist_ok=True)
+            shutil.copyfile(root / name, root / copy / name)
+    def results(report):
+        return {f.path: (f.patched, [(s.step, s.line, s.status, s.path) for s in f.sites]) for f in report.files}
+
+    pipeline._ANALYSED.clear()
+    expected = results(pipeline.run_recipe(RECIPE, root, jobs=1))  # one file after the other
+    pipeline._ANALYSED.clear()
+    pipeline.run_recipe(RECIPE, root / "model", jobs=1)  # known before the run: model/'s texts
+    monkeypatch.setattr(pipeline, "POOL_MIN_FILES", 2)
+    monkeypatch.setattr(pipeline, "_MEMO_SIZE", 1)
+    assert results(pipeline.run_recipe(RECIPE, root, jobs=2)) == expected
+    for name in ("ddtree.py", "dflash.py", "benchmark.py", "zz/timing.py"):
+        assert expected[name][0]
+    assert expected["copy_a/ddtree.py"][0] == expected["ddtree.py"][0]
+
+
 def test_only_the_files_the_text_prefilter_lets_through_go_on(tmp_path, monkeypatch):
     root = fork(tmp_path, {"toolkit/plain.py": "def area(w, h):\n    return w * h\n"})
     seen = []

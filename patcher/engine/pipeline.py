@@ -3,8 +3,10 @@
     discover files -> cheap prefilter (text, then stdlib ast) -> parse once -> run the recipe's steps -> classify -> render or write
 
 Discovery leaves out folders that look like copies of third-party packages (``vendored``);
-the text prefilter runs in this process, and only the files it lets through go on (to
-``--jobs`` worker processes when there are enough of them). Each stage is a plain function. ``run_recipe`` strings them together and returns a
+each file is read once; the text prefilter (``prefilter``) runs in this process, and only the
+files it lets through go on (to ``--jobs`` worker processes when there are enough of them).
+
+Each stage is a plain function. ``run_recipe`` strings them together and returns a
 ``Report`` (``patcher.results``): per step and per anchor a status (applied /
 already-applied / fixed-upstream / no-match) with the sites that justify it, per file the
 new text. Nothing is written here; ``write.write_report`` does that, atomically.
@@ -432,23 +434,27 @@ def _map_files(paths: list[Path], results: list[FileResult], specs, recipe: Reci
     if progress is not None:
         for i in range(1, done + 1):
             progress(i, n)
-    new = list({key: args for _result, key, args in todo if key not in _ANALYSED}.items())
-    found: dict[tuple, tuple] = {}
-    if jobs > 1 and len(new) >= POOL_MIN_FILES:
-        with ProcessPoolExecutor(max_workers=min(jobs, len(new))) as pool:
-            chunks = max(1, min(8, len(new) // (4 * jobs)))
-            found = dict(zip((key for key, _ in new), pool.map(analyse, *zip(*(args for _, args in new)), chunksize=chunks)))
-    for result, key, args in todo:
-        out = _ANALYSED.get(key) or found.get(key) or analyse(*args)
-        if key in _ANALYSED:
-            _ANALYSED.move_to_end(key)
-        else:
-            _ANALYSED[key] = out[:2] + (tuple(dataclasses.replace(s) for s in out[2]),) + out[3:]
-            if len(_ANALYSED) > _MEMO_SIZE:
-                _ANALYSED.popitem(last=False)
-        kept, new_text, sites, needs_runtime, error = out
-        merge(result, conclude(result.original, (kept, new_text, [dataclasses.replace(s) for s in sites], needs_runtime, error), recipe))
-        done += 1
-        if progress is not None:
-            progress(done, n)
+    got = {key: _ANALYSED[key] for _result, key, _args in todo if key in _ANALYSED}  # known before this run
+    for key in got:
+        _ANALYSED.move_to_end(key)
+    new = list({key: args for _result, key, args in todo if key not in got}.values())
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(new))) if jobs > 1 and len(new) >= POOL_MIN_FILES else None
+    try:
+        # in the order of ``new``: the first file of each new key takes the next result
+        fresh = pool.map(analyse, *zip(*new), chunksize=max(1, min(8, len(new) // (4 * jobs)))) if pool else None
+        for result, key, args in todo:
+            out = got.get(key)
+            if out is None:
+                out = got[key] = next(fresh) if fresh is not None else analyse(*args)
+                _ANALYSED[key] = out[:2] + (tuple(dataclasses.replace(s) for s in out[2]),) + out[3:]
+                if len(_ANALYSED) > _MEMO_SIZE:
+                    _ANALYSED.popitem(last=False)
+            kept, new_text, sites, needs_runtime, error = out
+            merge(result, conclude(result.original, (kept, new_text, [dataclasses.replace(s) for s in sites], needs_runtime, error), recipe))
+            done += 1
+            if progress is not None:
+                progress(done, n)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     return results
