@@ -92,13 +92,18 @@ def lossy_steps(report: Report, recipe: Recipe) -> list[str]:
 
 # ----------------------------------------------------------------------------- apply / diff / check
 def run(path: str | Path, recipe: str | Recipe = DEFAULT_RECIPE, select=None, ignore=None, upstream: str | None = None,
-        jobs: int = 0, progress: Callable[[int, int], None] | None = None) -> Report:
-    """Run a recipe over ``path`` and return its report; nothing is written. ``jobs=0``: one per CPU."""
+        jobs: int = 0, progress: Callable[[int, int], None] | None = None, include_vendored: bool = False) -> Report:
+    """Run a recipe over ``path`` and return its report; nothing is written. ``jobs=0``: one per CPU.
+
+    ``include_vendored``: also check the folders that look like copies of third-party packages;
+    by default they are listed in ``Report.vendored`` and not parsed (docs/usage.md).
+    """
     from .engine.pipeline import run_recipe
 
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     recipe = select_steps(recipe, select, ignore)
-    return run_recipe(recipe, Path(path), upstream=upstream, jobs=jobs or os.cpu_count() or 1, progress=progress)
+    return run_recipe(recipe, Path(path), upstream=upstream, jobs=jobs or os.cpu_count() or 1, progress=progress,
+                      include_vendored=include_vendored)
 
 
 def require_code(report: Report) -> None:

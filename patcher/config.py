@@ -36,6 +36,7 @@ KEYS = {
     "allow-lossy": "true or false",
     "entry": "a list of FILE:FUNCTION decoders for verify (default: every decoder found)",
     "reviewed": "a list of drafter inputs whose deliberate difference was reviewed (verify): noise, positions, features",
+    "include-vendored": "true or false",
 }
 
 
@@ -91,9 +92,9 @@ def _validate(values: dict[str, Any], path: Path) -> dict[str, Any]:
         elif key == "format":
             if value not in ("text", "json"):
                 raise ConfigError(f"config {path}: format must be {KEYS['format']}, got {value!r}")
-        elif key == "allow-lossy":
+        elif key in ("allow-lossy", "include-vendored"):
             if not isinstance(value, bool):
-                raise ConfigError(f"config {path}: allow-lossy must be {KEYS['allow-lossy']}, got {value!r}")
+                raise ConfigError(f"config {path}: {key} must be {KEYS[key]}, got {value!r}")
         elif not isinstance(value, str) or not value:
             raise ConfigError(f"config {path}: {key} must be {KEYS[key]}, got {value!r}")
         if key == "recipe" and value.endswith(".toml") and not Path(value).is_absolute():

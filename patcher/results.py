@@ -111,6 +111,25 @@ class StepResult:
 
 
 @dataclass
+class VendoredFolder:
+    """A folder of the tree that looks like a copy of a third-party package (``patcher.engine.vendored``)."""
+
+    path: str  # tree-relative
+    reason: str  # "named third_party", "has its own pyproject.toml", "holds rich-13.7.1.dist-info"
+    files: int  # Python files in it
+    #: What kept it in the run ("defines ddtree_generate in x.py"); None: left out, its files not parsed.
+    decoder: str | None = None
+
+    @property
+    def left_out(self) -> bool:
+        return self.decoder is None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "reason": self.reason, "files": self.files, "checked": not self.left_out,
+                "decoder": self.decoder}
+
+
+@dataclass
 class Report:
     recipe: Any  # patcher.engine.recipe.Recipe
     root: Path
@@ -118,6 +137,8 @@ class Report:
     files: list[FileResult]
     steps: list[StepResult]
     missing_anchors: list[str]
+    #: Folders that look vendored: those left out (not parsed) and those checked after all.
+    vendored: list[VendoredFolder] = field(default_factory=list)
 
     @property
     def changed(self) -> list[FileResult]:
@@ -146,6 +167,7 @@ class Report:
             "upstream": self.upstream,
             "layout_detected": self.upstream is not None,
             "missing_anchors": self.missing_anchors,
+            "vendored": [v.as_dict() for v in self.vendored],
             "steps": [s.as_dict() for s in self.steps],
             "files": [
                 {"path": f.path, "changed": f.changed, "created": f.original is None, "error": f.error}

@@ -141,6 +141,9 @@ recipe_options = options(
     click.option("--allow-lossy", is_flag=True, help="Accept a --select/--ignore that leaves out a step the recipe needs to stay lossless."),
     click.option("--upstream", default=None, help="Treat the tree as this upstream layout instead of detecting it."),
     click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel worker processes, >= 1 (default: number of CPUs)."),
+    click.option("--include-vendored", is_flag=True,
+                 help="Also check folders that look like copies of third-party packages (third_party/, vendor/, a folder with its "
+                      "own pyproject.toml, ...); by default they are listed and not parsed, unless they hold a decoder."),
     click.option("-v", "--verbose", is_flag=True, help="List every site."),
     click.option("--output-format", type=click.Choice(["full", "concise"]), default="full", show_default=True,
                  help="With text output: concise prints one `path:line:col: step status message` line per site."),
@@ -150,7 +153,8 @@ recipe_options = options(
 
 #: CLI parameter -> config key, for the settings a config file may give.
 _CONFIGURABLE = {"recipe_name": "recipe", "select": "select", "ignore": "ignore", "upstream": "upstream", "jobs": "jobs",
-                 "fmt": "format", "allow_lossy": "allow-lossy", "presets": "presets", "entries": "entry", "reviewed": "reviewed"}
+                 "fmt": "format", "allow_lossy": "allow-lossy", "presets": "presets", "entries": "entry", "reviewed": "reviewed",
+                 "include_vendored": "include-vendored"}
 
 
 def configured(path, options: dict) -> dict:

@@ -59,6 +59,23 @@ def print_summary(report: Report, command: str, verbose: bool = False, color: st
         )
     if report.missing_anchors:
         con.print(f"[yellow]expected but not found in the tree:[/] {', '.join(report.missing_anchors)}")
+    for line in vendored_lines(report):
+        con.print(line, markup=False, highlight=False)
+
+
+def vendored_lines(report: Report) -> list[str]:
+    """The folders that look like copies of third-party packages: those left out, in one line, and
+    each one checked after all because it holds a decoder signal."""
+    out = []
+    left = [v for v in report.vendored if v.left_out]
+    if left:
+        shown = ", ".join(f"{v.path}/ ({v.reason})" for v in left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+        out.append(f"left out {len(left)} folder(s) that look vendored ({sum(v.files for v in left)} file(s), no decoder in them; "
+                   f"--include-vendored checks them): {shown}")
+    for v in report.vendored:
+        if not v.left_out:
+            out.append(f"checked {v.path}/ although it looks vendored ({v.reason}): it {v.decoder}")
+    return out
 
 
 def error_lines(report: Report) -> list[str]:
