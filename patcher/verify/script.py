@@ -36,6 +36,9 @@ from .context import DecodeContext
 RANK_PROBS = (0.6, 0.25, 0.15)
 #: Under sampling the scripted draft proposes from the target's logits times this (its temperature halved).
 SAMPLING_SHARPEN = 4.0
+#: Under sampling, the share of positions where the draft is confidently wrong: a peaked target accepts a sharpened
+#: draft almost always, and a run must reject part of its blocks for a rollback bug to show.
+MISLEAD = 0.25
 #: the drafter forward's parameter names for its inputs (``drafter_oracle.ROLES`` spells the same)
 NOISE_NAMES = ("noise_embedding", "noise_embeds", "inputs_embeds")
 POSITION_NAMES = ("position_ids",)
@@ -199,6 +202,9 @@ class ScriptedDraft:
         z += 0.01 * torch.randn(self.vocab, generator=self.gen)
         if self.rows is not None:
             z += self.rows[position - 1]
+            if float(torch.rand((), generator=self.gen)) < MISLEAD:  # a confident wrong proposal now and then: a rejection
+                other = self._other({int(z.argmax())})
+                z[other] = float(z.max()) + self.margin / 2
             for t in self.forbidden:
                 z[t] = z.min() - self.margin
             return z
