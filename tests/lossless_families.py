@@ -9,7 +9,8 @@ shapes:
   before its first attention layer; Bamba's and GraniteMoeHybrid's default has no attention layer at all;
 * ``preset``: ddpatch's own preset (``patcher.verify.presets``), where there is one;
 * ``real``: a pattern a published checkpoint uses, where the default and the preset both miss its shape
-  (NemotronH: ``-`` (MLP) and ``E`` (MoE) blocks before the first ``*`` (attention)).
+  (NemotronH: ``-`` (MLP) and ``E`` (MoE) blocks before the first ``*`` (attention); Bamba: attention layers
+  among Mamba2 ones, where its default has none).
 
 Weights are seeded and drawn so that state matters (``make_state_matter``), and the mask token's
 ``lm_head`` row is zero, as for the presets. A family this transformers does not ship is left out.
@@ -72,7 +73,7 @@ FAMILIES = {f.model_type: f for f in (
     Family("lfm2", "tiny-lfm2", True), Family("gpt_oss", "tiny-gpt-oss", True), Family("glm_moe_dsa", "tiny-glm-moe-dsa", True),
     Family("deepseek_v3", "tiny-deepseek-v3", True), Family("llama", "tiny-llama", True), Family("qwen3", "tiny-qwen3", True),
     Family("qwen4_exp_text", "tiny-qwen4-exp", True), Family("glm5_next_text", "tiny-glm5-next", True),
-    Family("bailing_hybrid"), Family("bamba"), Family("falcon_mamba"), Family("inkling_text"), Family("inkling2_text"),
+    Family("bailing_hybrid"), Family("bamba", extra={"real": {"num_hidden_layers": 4, "attn_layer_indices": [2]}}), Family("falcon_mamba"), Family("inkling_text"), Family("inkling2_text"),
     Family("inkling2_loop_text"), Family("jamba"), Family("lara_mini"), Family("lfm2_moe"), Family("lfm3"),
     Family("mamba"), Family("mamba2"), Family("zamba"), Family("zamba2"), Family("zaya"), Family("xlstm"), Family("rwkv"),
     Family("recurrent_gemma"),

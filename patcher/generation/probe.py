@@ -194,7 +194,7 @@ def _layout(model, cache, modules) -> str | None:
     if cache is not None and not isinstance(layers, list):
         if getattr(model, "_is_stateful", False) or modules or not _is_layered(cache):
             return (f"it keeps its state in a cache of its own ({type(cache).__name__}), not in transformers' cache "
-                    "layers; ddpatch cannot roll it back")
+                    "layers, so ddpatch cannot roll it back")
         return None
     layers = layers or []
     known = {i for i, _ in modules}
