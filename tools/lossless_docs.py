@@ -24,6 +24,7 @@ SHORT = (
     (r"multi-token step of generate\(\) on a non-empty cache .* is not exact \(max \|dlogit\| ([^ ]+)", r"refused: multi-token step off by \1"),
     (r"cache of its own \(([^)]+)\)", r"refused: a cache of its own (\1)"),
     (r"plain greedy generate\(\) fails", "refused: transformers' own generate() fails"),
+    (r"own speculative generate\(\) fails on it \(([^:]+)", r"refused: transformers' own speculative generate() fails (\1)"),
     (r"cannot continue generate\(\)", "refused: transformers cannot continue from its cache"),
     (r"more than one module there that updates it", "refused: several modules update one layer's state"),
     (r"no module there that updates it", "refused: no module updates its state"),

@@ -5,7 +5,8 @@ model itself, through its own ``generate()`` (so every family gets the inputs tr
 greedy, on a short seeded prompt (``PROMPT`` random ids, then ``DRAFT`` generated tokens t1 .. tk):
 
 1. **token by token**: plain greedy ``generate()``: the logits that pick t1 .. tk, each from a one-token forward
-   on the cache; the cache it returns shows the layout each layer really has;
+   on the cache; the cache it returns shows the layout each layer really has; then one prompt-lookup
+   ``generate()`` under the recording: transformers' own speculative loop must run on it;
 2. **multi-token on a cache**: ``generate()`` continued from the cache of the prompt over t1 .. t(k-1) at once,
    the forward a speculative verify runs; its last logits must equal step 1's;
 3. **the noise floor**: the same sequence from scratch (one multi-token forward, no cache): how far a
@@ -15,7 +16,7 @@ greedy, on a short seeded prompt (``PROMPT`` random ids, then ``DRAFT`` generate
 
 Refused, in one ``UnsupportedModelError`` line: a cache that is not transformers' layered cache (xLSTM,
 RWKV keep their own), a stateful layer the runtime finds no mixer for, a layer class it does not know, a
-plain ``generate()`` or a continuation from its cache that transformers itself cannot run, and a step 2 or
+plain or speculative ``generate()`` or a continuation from its cache that transformers itself cannot run, a step 2 or
 step 4 further from step 1 than ``MULTIPLE`` times the floor (never less than one unit in the last place of
 the largest logit). In float32 the floor is about 1e-7 and the families refused on it miss by 1e-3 or more
 (docs/models.md); in bfloat16 an inexactness below the dtype's own rounding cannot be seen, and is no larger
@@ -132,6 +133,13 @@ def _behaviour(model, modules) -> Verdict:
     if cache is None:
         return Verdict(None)  # no cache: generate() runs no speculative mode on it, nothing to roll back
     sequence, decoded = plain.sequences, plain.logits  # decoded[i] picks t(i+1), after t1 .. ti one at a time
+    saved = _install(model, record=True)
+    try:  # transformers' own speculative loop must accept it (5.23: "assisted decoding requires a cache")
+        step(sequence, new=2, prompt_lookup_num_tokens=2)
+    except Exception as exc:
+        return _refuse(model, f"transformers' own speculative generate() fails on it ({_line(exc)})")
+    finally:
+        _uninstall(*saved)
     try:
         multi = step(sequence[:, :-1], cache=step.cache_of(step(prompt)))
     except Exception as exc:
@@ -152,8 +160,6 @@ def _behaviour(model, modules) -> Verdict:
             "generate() would decode other tokens than greedy, so it stays refused", floor, error)
     try:
         committed = _committed(model, step, prompt, sequence, decoded)
-    except _Refused as exc:
-        return _refuse(model, str(exc))
     except Exception as exc:
         return _refuse(model, f"ddpatch's runtime cannot commit its cache ({_line(exc)})")
     if committed > tolerance:
@@ -173,17 +179,9 @@ def _committed(model, step, prompt, sequence, decoded) -> float:
         step(sequence[:, :-1], cache=cache)
         cache.crop(-(DRAFT - 1 - keep))
         after = step(sequence[:, : PROMPT + keep + 1], cache=cache)
-        try:  # transformers' own speculative loop must accept it (5.23: "assisted decoding requires a cache")
-            step(sequence, new=2, prompt_lookup_num_tokens=2)
-        except Exception as exc:
-            raise _Refused(f"transformers' own speculative generate() fails on it ({_line(exc)})") from exc
     finally:
         _uninstall(*saved)
     return float((after.logits[-1] - decoded[keep + 1]).abs().max())
-
-
-class _Refused(Exception):
-    """A reason found while the recording was installed."""
 
 
 def _layout(model, cache, modules) -> str | None:
