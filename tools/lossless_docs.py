@@ -53,11 +53,11 @@ def verdict_cell(row: dict | None) -> str:
             if found:
                 return found.expand(short)
         return "refused"
-    bad = [m for m, v in row["modes"].items() if not v.startswith(("exact", "transformers fails"))]
-    native = [m for m, v in row["modes"].items() if v.startswith("transformers fails")]
+    bad = [m for m, v in row["modes"].items() if not v.startswith(("exact", "transformers fails", "assistant refused"))]
+    native = [m for m, v in row["modes"].items() if v.startswith(("transformers fails", "assistant refused"))]
     if bad:
         return f"served, NOT EXACT ({', '.join(bad)})"
-    return "**served, exact**" + (f" (transformers fails: {', '.join(native)})" if native else "")
+    return "**served, exact**" + (f" (not run: {', '.join(native)})" if native else "")
 
 
 def _rows(data: dict[str, dict]):

@@ -176,7 +176,7 @@ def run_mode(mode: str, model, helpers: dict, references: dict, record: bool = T
 
 
 def run_shape(model_type: str, shape: str, modes=MODES) -> dict:
-    from patcher.lossless import probe
+    from patcher.lossless import UnsupportedModelError, probe
 
     try:
         model = lf.build(model_type, shape)
@@ -191,6 +191,8 @@ def run_shape(model_type: str, shape: str, modes=MODES) -> dict:
     for mode in modes:
         try:
             row["modes"][mode] = run_mode(mode, model, helpers, references)
+        except UnsupportedModelError as exc:  # the assistant of the mode, refused on entry in one line
+            row["modes"][mode] = f"assistant refused: {_line(exc)}"
         except Exception as exc:
             row["modes"][mode] = f"error: {_line(exc)}"
             try:  # the same run with nothing recorded: transformers' own failure, or ddpatch's?
@@ -263,8 +265,9 @@ def summary(row: dict) -> str:
 
 
 def acceptable(outcome: str) -> bool:
-    """Exact, or a failure transformers has without ddpatch (the same run with nothing recorded raises the same)."""
-    return outcome.startswith(("exact", "transformers fails"))
+    """Exact, a failure transformers has without ddpatch (the same run with nothing recorded raises the same), or an
+    assistant ``lossless`` refused on entry: never a wrong token."""
+    return outcome.startswith(("exact", "transformers fails", "assistant refused"))
 
 
 def _line(exc: BaseException) -> str:

@@ -104,13 +104,14 @@ def _judge(model) -> Verdict:
         modules = rt.hybrid_linear_modules(model)
     except rt.UnsupportedModelError as exc:
         return Verdict(str(exc))
-    training = model.training
+    training = {module: module.training for module in model.modules()}  # as they were, submodule by submodule
     model.eval()
     try:
         with torch.no_grad():
             return _behaviour(model, modules)
     finally:
-        model.train(training)
+        for module, mode in training.items():
+            module.training = mode
 
 
 def _behaviour(model, modules) -> Verdict:
@@ -197,12 +198,23 @@ def _layout(model, cache, modules) -> str | None:
     layers = layers or []
     known = {i for i, _ in modules}
     for i, layer in enumerate(layers):
-        if _is_linear_layer(layer) and i not in known:
+        # a linear-attention cache layer nothing wrote (5.21 gives NemotronH's MLP and MoE blocks one) holds nothing
+        if _is_linear_layer(layer) and i not in known and _holds_state(layer):
             return f"layer {i}'s cache ({type(layer).__name__}) keeps a state, but ddpatch finds no module that updates it"
     stray = sorted(i for i in known if i >= len(layers) or not _is_linear_layer(layers[i]))
     if stray:
         return f"layer {stray[0]}'s cache ({type(layers[stray[0]]).__name__ if stray[0] < len(layers) else 'none'}) holds no state its config says it has"
     return None
+
+
+def _holds_state(layer) -> bool:
+    """Whether plain greedy decoding wrote a state into this linear-attention cache layer."""
+    flags = getattr(layer, "has_previous_state", None)
+    if isinstance(flags, dict) and any(flags.values()):
+        return True
+    stores = [getattr(layer, name, None) or {} for name in ("conv_states", "recurrent_states")]
+    return any(value is not None and getattr(value, "numel", lambda: 1)() and bool(value.any())
+               for store in stores for value in store.values())
 
 
 def _is_layered(cache) -> bool:
