@@ -54,10 +54,12 @@ def verdict_cell(row: dict | None) -> str:
                 return found.expand(short)
         return "refused"
     bad = [m for m, v in row["modes"].items() if not v.startswith(("exact", "transformers fails", "assistant refused"))]
-    native = [m for m, v in row["modes"].items() if v.startswith(("transformers fails", "assistant refused"))]
+    native = [m for m, v in row["modes"].items() if v.startswith("transformers fails")]
+    refused = [m for m, v in row["modes"].items() if v.startswith("assistant refused")]
     if bad:
         return f"served, NOT EXACT ({', '.join(bad)})"
-    return "**served, exact**" + (f" (not run: {', '.join(native)})" if native else "")
+    return ("**served, exact**" + (f" (transformers itself fails: {', '.join(native)})" if native else "")
+            + (f" (its assistant refused: {', '.join(refused)})" if refused else ""))
 
 
 def _rows(data: dict[str, dict]):
