@@ -100,9 +100,12 @@ def generate_table(data: dict[str, dict]) -> str:
             continue
         cells = []
         for mode in MODES:
-            values = {r: row["modes"].get(mode, "–").replace("`", "'") for r, row in served.items()}
-            cell = next(iter(values.values())) if len(set(values.values())) == 1 else "; ".join(
-                f"{r}: {v}" for r, v in values.items())
+            values = {r: _brief(row["modes"].get(mode, "–")) for r, row in served.items()}
+            groups: dict[str, list[str]] = {}
+            for r, v in values.items():
+                groups.setdefault(v, []).append(r)
+            cell = next(iter(values.values())) if len(groups) == 1 else "; ".join(
+                f"{', '.join(rs)}: {v}" for v, rs in groups.items())
             if len(served) < len(rels) and len(set(values.values())) == 1:
                 cell += f" ({', '.join(served)})"
             cells.append(cell)
@@ -114,6 +117,12 @@ def generate_table(data: dict[str, dict]) -> str:
     lines += [f"- transformers {r}: median {statistics.median(s):.2f} s, max {max(s):.2f} s over {len(s)} shapes"
               for r, s in seconds.items() if s]
     return "\n".join(lines)
+
+
+def _brief(outcome: str) -> str:
+    """A mode's outcome for a table cell: backticks out, an error's message cut short."""
+    outcome = outcome.replace("`", "'")
+    return outcome if len(outcome) <= 90 else outcome[:87].rstrip() + "..."
 
 
 def section(name: str, body: str) -> str:
