@@ -168,13 +168,14 @@ def test_an_assistant_cut_back_beyond_its_recording_raises_naming_the_assistant(
 
 # ----------------------------------------------------------------------------- the shapes that broke
 def test_a_cache_whose_first_layers_hold_nothing_is_measured_by_its_attention_layer():
-    """NemotronH's own default pattern: a MoE block (a DummyLayer in the cache) ahead of the first attention layer."""
+    """NemotronH's own default pattern: a MoE block (a cache layer that holds nothing) ahead of the first attention layer."""
     from patcher.runtime.caches import _cache_length
 
     model = lf.build("nemotron_h")
     out = model.generate(gs.prompt(0), max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
     cache = getattr(out, "cache", None) or out.past_key_values
-    assert type(cache.layers[1]).__name__ == "DummyLayer"
+    moe = cache.layers[1]  # 5.23+: a DummyLayer; 5.21: a linear-attention layer nothing writes
+    assert type(moe).__name__ == "DummyLayer" or not any(moe.has_previous_state.values()), type(moe)
     assert _cache_length(cache) == gs.prompt(0).shape[1] + 2
     reference = gs.greedy(model, gs.prompt(0))
     with lossless(model):
