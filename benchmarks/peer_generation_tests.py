@@ -8,8 +8,9 @@ release you have installed), with:
 
 * every ``generate()`` call inside ``patcher.lossless(model, assistant_model)`` (an assistant's own nested
   ``generate()`` runs inside its target's context);
-* the stateful skip lifted: a skip whose reason mentions "stateful" is not taken, and the ``_is_stateful``
-  flag (transformers up to 5.23) of the tested classes is cleared;
+* the stateful skip lifted: a skip whose reason mentions "stateful" is not taken (``self.skipTest``,
+  ``pytest.skip``, ``@pytest.mark.skip(if)``, ``@unittest.skip``), and the ``_is_stateful`` flag (transformers
+  up to 5.23) of the tested classes is cleared;
 
 and prints a family x test table (pass, FAIL, refused: ``lossless`` refused the model on entry, skip), and JSON
 with ``--json FILE``. ``--no-lossless`` is the control: the skip lifted, nothing recorded.
@@ -91,6 +92,14 @@ def _lift_stateful_skips():
 
 def pytest_collection_modifyitems(session, config, items):
     for item in items:
+        # decorator skips too: @pytest.mark.skip(if) and @unittest.skip whose reason mentions "stateful"
+        item.own_markers[:] = [m for m in item.own_markers if not (m.name in ("skip", "skipif") and "stateful" in
+                                                                   str(m.kwargs.get("reason", m.args)).lower())]
+        function = getattr(getattr(item, "obj", None), "__func__", getattr(item, "obj", None))
+        why = str(getattr(function, "__unittest_skip_why__", "")).lower()
+        if getattr(function, "__unittest_skip__", False) and "stateful" in why and hasattr(function, "__wrapped__"):
+            setattr(item.cls, item.name, function.__wrapped__)  # unittest.skip wrapped the test in one that skips
+            item._obj = None  # pytest resolved the wrapper already: look the test up again
         for name in ("all_model_classes", "all_generative_model_classes"):
             for cls in getattr(getattr(item, "cls", None), name, ()) or ():
                 if getattr(cls, "_is_stateful", False):
@@ -136,10 +145,11 @@ def run(source: Path, families: list[str] | None, tests: str, use_lossless: bool
         command = [sys.executable, "-m", "pytest", "-q", "-p", "peer_generation_tests", "-p", "no:cacheprovider",
                    "-n", "0", "--rootdir", str(source), "-k", tests, *map(str, files)]
         proc = subprocess.run(command, cwd=source, env=env, capture_output=True, text=True, timeout=timeout)
-        if not results.exists():
-            tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
-            raise SystemExit("ddpatch: error: the tests did not run: " + " | ".join(tail))
-        return json.loads(results.read_text())
+        found = json.loads(results.read_text()) if results.exists() else {}
+        if not found:  # pytest's exit 2 to 4: interrupted, internal error, usage error
+            tail = [line for line in (proc.stdout + proc.stderr).strip().splitlines() if line.strip()][-3:]
+            raise SystemExit(f"ddpatch: error: no test ran (pytest exit {proc.returncode}): " + " | ".join(tail))
+        return found
 
 
 def table(results: dict) -> tuple[list[str], dict[str, dict[str, str]]]:
@@ -157,10 +167,11 @@ def table(results: dict) -> tuple[list[str], dict[str, dict[str, str]]]:
 
 def render(names: list[str], grid: dict[str, dict[str, str]]) -> str:
     width = max([len(f) for f in grid] + [6])
-    lines = [f"{'family':<{width}}  " + "  ".join(f"T{i + 1}" for i in range(len(names)))]
+    columns = [max([len(f"T{i + 1}")] + [len(row.get(n, "-")) for row in grid.values()]) for i, n in enumerate(names)]
+    lines = [f"{'family':<{width}}  " + "  ".join(f"{f'T{i + 1}':<{w}}" for i, w in enumerate(columns)).rstrip()]
     for family in sorted(grid):
-        lines.append(f"{family:<{width}}  " + "  ".join(f"{grid[family].get(n, '-'):<{len(f'T{i + 1}')}}"
-                                                       for i, n in enumerate(names)))
+        lines.append(f"{family:<{width}}  " + "  ".join(f"{grid[family].get(n, '-'):<{w}}"
+                                                       for n, w in zip(names, columns)).rstrip())
     lines += [""] + [f"T{i + 1}: {n}" for i, n in enumerate(names)]
     counts: dict[str, int] = {}
     for row in grid.values():
