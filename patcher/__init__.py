@@ -24,11 +24,10 @@ def shipped(name: str) -> Path:
 
 
 def __getattr__(name: str):
-    # ``patcher.lossless`` imports torch and the runtime: only when asked for, never on ``import patcher``
+    # ``patcher.lossless`` imports torch and the runtime: only when asked for, never on ``import patcher``.
+    # It is the module ``patcher/lossless.py``, which is callable: the same object however it is imported.
     if name == "lossless":
-        from .lossless import lossless
+        from .lossless import lossless as _context  # noqa: F401  (importing the submodule binds patcher.lossless)
 
-        # importing the submodule bound its name here; the API is the context manager
-        globals()["lossless"] = lossless
-        return lossless
+        return globals()["lossless"]
     raise AttributeError(f"module 'patcher' has no attribute {name!r}")
