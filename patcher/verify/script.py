@@ -34,11 +34,13 @@ from typing import Sequence
 from .context import DecodeContext
 
 RANK_PROBS = (0.6, 0.25, 0.15)
-#: Under sampling the scripted draft proposes from the target's logits times this (its temperature halved).
-SAMPLING_SHARPEN = 4.0
-#: Under sampling, the share of positions where the draft is confidently wrong: a peaked target accepts a sharpened
-#: draft almost always, and a run must reject part of its blocks for a rollback bug to show.
-MISLEAD = 0.25
+#: Under sampling the scripted draft proposes from the target's own logits times this (its temperature halved): close to
+#: the target's distribution, so that the rejection rule accepts most proposals, but sharp enough that its later rows
+#: (computed for the previous rows' argmax) mostly meet the tokens it really proposes.
+SAMPLING_SHARPEN = 2.0
+#: Under sampling, the share of positions where the draft is confidently wrong (a rejection): rounds then accept
+#: 1, 2, 3... proposals, as a rollback bug needs to show.
+MISLEAD = 0.15
 #: the drafter forward's parameter names for its inputs (``drafter_oracle.ROLES`` spells the same)
 NOISE_NAMES = ("noise_embedding", "noise_embeds", "inputs_embeds")
 POSITION_NAMES = ("position_ids",)

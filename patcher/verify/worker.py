@@ -178,15 +178,15 @@ def passes(cfg: dict, loaded) -> list[dict]:
     out = [{}]
     takes = any(m.takes_temperature() for m in loaded.methods if not m.drafter_method)
     if takes and not cfg.get("greedy_only"):
-        out.append({"temperature": SAMPLED_PASS["temperature"], "sampled_pass": True,
-                    "prompts": min(cfg["prompts"], SAMPLED_PASS["prompts"]), "seeds": cfg["seeds"][:1],
+        out.append({"temperature": SAMPLED_PASS["temperature"], "sampled_pass": True, "prompts": SAMPLED_PASS["prompts"],
+                    "seeds": cfg["seeds"][:1], "max_new_tokens": max(cfg["max_new_tokens"], SAMPLED_PASS["max_new_tokens"]),
                     "sampling_runs": cfg.get("sampled_pass_runs", SAMPLED_PASS["sampling_runs"])})
     return out
 
 
 #: The sampled pass a default verify adds where a decoder takes a temperature: the logits oracle on every committed
 #: row of a few sampled decodes, and a distributional test of the second new token.
-SAMPLED_PASS = {"temperature": 1.0, "prompts": 2, "sampling_runs": 200}
+SAMPLED_PASS = {"temperature": 1.0, "prompts": 2, "max_new_tokens": 32, "sampling_runs": 200}
 
 
 def answer(cfg: dict, blocker: NoDdpatch) -> None:
