@@ -286,9 +286,9 @@ def patched(tmp_path: Path, upstream: str, ignore: str | None = None) -> Path:
     return out
 
 
-def verify_json(tree: Path, presets, *args: str, tokens: int = 16) -> tuple[int, dict]:
+def verify_json(tree: Path, presets, *args: str, tokens: int = 24) -> tuple[int, dict]:
     flags = [a for p in presets for a in ("--preset", p)]
-    proc = ddpatch("verify", tree, "--format", "json", "--prompts", "1", "--max-new-tokens", tokens, *flags, *args)
+    proc = ddpatch("verify", tree, "--format", "json", "--greedy-only", "--prompts", "1", "--max-new-tokens", tokens, *flags, *args)
     assert proc.returncode in (0, 1), proc.stderr
     return proc.returncode, json.loads(proc.stdout)
 

@@ -19,7 +19,7 @@ from patcher.verify.presets import PRESETS, build_target
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE_ONLY = "verify-forward,tree-commit,draft-sliding-window"
-SMALL = ("--prompts", "1", "--max-new-tokens", "24", "--tree-budgets", "4", "--format", "json")
+SMALL = ("--prompts", "2", "--max-new-tokens", "24", "--tree-budgets", "4", "--format", "json")
 SERVED = [name for name, p in PRESETS.items() if p.refusal is None and not p.folders and not name.startswith("mid-")]
 #: float16 on three families: Gated DeltaNet, Mamba2, Kimi Delta Attention.
 HALF = ["tiny-qwen3_5", "tiny-nemotron-h", "tiny-kimi-linear"]

@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 VENDORED = ROOT / "vendored"
 SHAPE_ONLY = "verify-forward,tree-commit"
-QUICK = ("--seeds", "0,1", "--prompts", "1", "--max-new-tokens", "16")
+QUICK = ("--seeds", "0,1", "--prompts", "1", "--max-new-tokens", "24", "--greedy-only")
 
 
 def ddpatch(*args, timeout=900):

@@ -224,7 +224,7 @@ def test_the_followed_reference_is_computed_only_as_far_as_a_block_reads_it(full
 # ----------------------------------------------------------------------------- the control: stronger than greedy
 def verify_runs(tree: Path, preset: str) -> dict:
     proc = ddpatch("verify", tree, "--format", "json", "--preset", preset, "--default-init", "--seeds", "0,1,2",
-                   "--prompts", "1", "--max-new-tokens", "8")
+                   "--prompts", "1", "--max-new-tokens", "16", "--greedy-only")
     assert proc.returncode in (0, 1), proc.stderr
     return json.loads(proc.stdout)["models"][0]
 

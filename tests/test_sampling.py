@@ -22,7 +22,7 @@ import torch
 from patcher.verify.oracle import chi_square_test, sampling_distribution
 
 ROOT = Path(__file__).resolve().parent.parent
-SAMPLED = ("--temperature", "0.8", "--seeds", "0", "--prompts", "1", "--max-new-tokens", "12", "--sampling-runs", "60")
+SAMPLED = ("--temperature", "0.8", "--seeds", "0", "--prompts", "2", "--max-new-tokens", "24", "--sampling-runs", "60")
 
 
 def ddpatch(*args, timeout=900):

@@ -69,7 +69,7 @@ def patched(tmp_path: Path, upstream: str, ignore: str | None = None) -> Path:
 
 
 def verify_json(tree: Path, *args: str) -> tuple[int, dict]:
-    proc = ddpatch("verify", tree, "--format", "json", "--seeds", "0,1", "--prompts", "1", "--max-new-tokens", "24", *args)
+    proc = ddpatch("verify", tree, "--format", "json", "--greedy-only", "--seeds", "0,1", "--prompts", "1", "--max-new-tokens", "24", *args)
     assert proc.returncode in (0, 1), proc.stderr
     return proc.returncode, json.loads(proc.stdout)
 
@@ -238,7 +238,7 @@ def _raise_in_ddtree(text: str) -> str:
     return head + '    raise RuntimeError("boom at warm-up")\n' + sep + tail
 
 
-QUICK = ("--seeds", "0", "--prompts", "1", "--max-new-tokens", "8", "--tree-budgets", "4")
+QUICK = ("--seeds", "0", "--prompts", "1", "--max-new-tokens", "8", "--tree-budgets", "4", "--greedy-only")
 
 
 @pytest.mark.parametrize("fmt", ["text"])  # text: where the report crashed; json is covered below
@@ -270,7 +270,7 @@ def test_a_crash_of_the_verifier_is_an_internal_error_not_a_verdict(full, tmp_pa
 
 # ----------------------------------------------------------------------------- ddpatch is not importable by the tree
 def test_a_patched_tree_runs_without_ddpatch(full):
-    code, payload = verify_json(full, "--seeds", "0", "--max-new-tokens", "8", "--tree-budgets", "4")
+    code, payload = verify_json(full, "--seeds", "0", "--prompts", "2", "--max-new-tokens", "24", "--tree-budgets", "4")
     check = {c["check"]: c for c in payload["checks"]}["runs without ddpatch"]
     assert code == 0 and check["passed"], check
     for path in full.rglob("*.py"):
@@ -290,7 +290,7 @@ def test_a_tree_that_imports_ddpatch_fails_to_load(full, tmp_path):
 # ----------------------------------------------------------------------------- the demo, end to end
 @pytest.mark.slow
 def test_demo_end_to_end(tmp_path):
-    proc = ddpatch("demo", "--out", tmp_path / "demo", "--seeds", "0", "--prompts", "1", "--max-new-tokens", "12", "--tree-budgets", "4")
+    proc = ddpatch("demo", "--out", tmp_path / "demo", "--greedy-only")  # the default models: tiny-qwen3_5 and the trained pair
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "+++ " in out and "_ddpatch_runtime.verify_forward(" in out, "the diff is shown"

@@ -72,8 +72,25 @@ def kind_of(fn, drafter_method: bool = False) -> str:
     return "tree" if "tree_budget" in roles else "chain"
 
 
+_BOUND: dict = {}  # (function, bound to an instance, required roles) -> roles: a decoder is called hundreds of times
+
+
 def bind_roles(fn, required=REQUIRED_ROLES) -> dict[str, str]:
     """Parameter name -> role for ``fn``; raises BindError naming the parameter it cannot bind."""
+    key = (getattr(fn, "__func__", fn), hasattr(fn, "__self__"), tuple(required))
+    try:
+        return dict(_BOUND[key])
+    except (KeyError, TypeError):
+        pass
+    roles = _bind_roles(fn, required)
+    try:
+        _BOUND[key] = dict(roles)
+    except TypeError:  # an unhashable callable
+        pass
+    return roles
+
+
+def _bind_roles(fn, required) -> dict[str, str]:
     try:
         params = [p for p in inspect.signature(fn).parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     except (TypeError, ValueError) as exc:
@@ -100,16 +117,15 @@ def bind_roles(fn, required=REQUIRED_ROLES) -> dict[str, str]:
     for i, p in enumerate(positional):
         if p.name not in roles and i < len(order) and order[i] not in roles.values():
             roles[p.name] = order[i]
-    where = _where(fn)
     for p in params:
         if p.name not in roles and p.default is inspect.Parameter.empty:
             raise BindError(
-                f"cannot call {getattr(fn, '__name__', fn)}{where}: its required parameter {p.name!r} has no known meaning "
+                f"cannot call {getattr(fn, '__name__', fn)}{_where(fn)}: its required parameter {p.name!r} has no known meaning "
                 f"(the verifier passes {', '.join(ROLE_NAMES)}; name it like upstream or give it a default)"
             )
     missing = [r for r in required if r not in roles.values()]
     if missing:
-        raise BindError(f"cannot call {getattr(fn, '__name__', fn)}{where}: no parameter takes the {', '.join(missing)}")
+        raise BindError(f"cannot call {getattr(fn, '__name__', fn)}{_where(fn)}: no parameter takes the {', '.join(missing)}")
     return roles
 
 

@@ -18,7 +18,7 @@ PRESETS = ["--preset", "tiny-qwen3_5", "--preset", "tiny-qwen3_5-vlm"]
 # without verify_forward) diverged at new token 12-13 here, and the code-shape-only patch within
 # 9; budget 8 on a block of 4 always leaves room for sibling branches in the tree
 BLOCK = 4  # verify's default draft block: a round that keeps 1 < a < BLOCK tokens accepted part of it
-VERIFY_SETTINGS = ["--seeds", "0", "--prompts", "2", "--max-new-tokens", "24", "--tree-budgets", "8", "--timeout", "300"]
+VERIFY_SETTINGS = ["--seeds", "0", "--prompts", "2", "--max-new-tokens", "24", "--tree-budgets", "8", "--timeout", "300", "--greedy-only"]
 
 
 def cli(*args, home: Path | None = None) -> tuple[int, dict | None, str]:
