@@ -208,12 +208,15 @@ verify_options = _options(
     click.option("--tree-budgets", default=None, help="DDTree node budgets, comma-separated, each >= 1 (default 4,8)."),
     click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
                  help="Seconds before the verifier is stopped (> 0)."),
+    click.option("--exclude", "exclude", multiple=True, metavar="GLOB",
+                 help="Leave these files or folders out of the search for the tree's decoders (repeatable; as check's)."),
 )
 
 
-def _verify_options(presets, target, draft, scripted_draft, trust_remote_code, seeds, tree_budgets, **rest) -> dict:
+def _verify_options(presets, target, draft, scripted_draft, trust_remote_code, seeds, tree_budgets, exclude=(), **rest) -> dict:
     """``verify_options``' values as ``api.verify`` options (None: the verifier's default)."""
     return dict(presets=list(presets) or None, target=str(target) if target else None, draft=str(draft) if draft else None,
+                exclude=list(exclude) or None,
                 scripted_draft=scripted_draft or None, trust_remote_code=trust_remote_code or None,
                 seeds=_ints(seeds, 0, "--seeds"), tree_budgets=_ints(tree_budgets, 1, "--tree-budgets"), **rest)
 

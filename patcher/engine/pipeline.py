@@ -24,12 +24,14 @@ from pathlib import Path
 from typing import Iterable
 
 from ..errors import EngineError
-from ..results import ALREADY_APPLIED, APPLIED, FIXED_UPSTREAM, FileResult, Report, Site
+from ..results import ALREADY_APPLIED, APPLIED, FIXED_UPSTREAM, UNCLASSIFIED, FileResult, Report, Site
 from .classify import classify, mark_skipped
 from .codemods import CODEMODS
 from .codemods.base import IN_PACKAGE, PATCHED, Step, place, site_positions
 from .files import add_runtime_files, decode_source, defined_functions, read_provenance, write_provenance
 from .recipe import Recipe, StepSpec
+from .survey import reached_by_decoders, refuse, suggest_excludes
+from .survey import survey as survey_tree
 
 SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".tox", ".mypy_cache", ".pytest_cache", "node_modules"}
 
@@ -52,12 +54,27 @@ def covers(recipe: Recipe, rel: str) -> bool:
     return _matches(rel, recipe.include) and not _matches(rel, recipe.exclude)
 
 
-def discover(root: Path, recipe: Recipe) -> tuple[list[Path], list[FileResult]]:
+def exclude_globs(pattern: str) -> list[str]:
+    """What ``--exclude PATTERN`` leaves out, as ruff reads it: a pattern without ``/`` is a file or folder name anywhere
+    (``analysis``, ``profile_*.py``); one with ``/`` is relative to the tree's root (``scripts/old/``, ``tools/*.py``);
+    a folder takes everything under it."""
+    pattern = pattern.strip().removeprefix("./").rstrip("/")
+    if not pattern:
+        return []
+    if "/" not in pattern:
+        return [f"**/{pattern}", f"**/{pattern}/**"]
+    return [pattern, f"{pattern}/**"]
+
+
+def discover(root: Path, recipe: Recipe, exclude: Iterable[str] = (), excluded: dict[str, str] | None = None
+             ) -> tuple[list[Path], list[FileResult]]:
     """Python files under ``root`` that the recipe covers, and the entries skipped on the way.
 
     Symlinks are never followed: one to a file in the tree is left to that file, one out of
-    the tree is reported. Build and VCS folders are skipped.
+    the tree is reported. Build and VCS folders are skipped. ``exclude`` (``--exclude`` patterns)
+    leaves files out too; each is recorded in ``excluded`` with the pattern that left it out.
     """
+    globs = {p: exclude_globs(p) for p in exclude}
     root = root.resolve()
     if root.is_file():
         return [root], []
@@ -69,6 +86,11 @@ def discover(root: Path, recipe: Recipe) -> tuple[list[Path], list[FileResult]]:
             path = Path(dirpath, name)
             rel = path.relative_to(root).as_posix()
             if not covers(recipe, rel):
+                continue
+            by = next((p for p, g in globs.items() if _matches(rel, g)), None)
+            if by is not None:
+                if excluded is not None:
+                    excluded[rel] = f"--exclude {by}"
                 continue
             if path.is_symlink():
                 if not path.resolve().is_relative_to(root):
@@ -306,6 +328,10 @@ def process_file(root: Path, path: Path, steps: list[tuple[StepSpec, type]], rec
         result.error = f"internal error (please report it): {_one_line(exc)}"
         return result
     recorded = read_provenance(text)
+    result.notes = [site for site in sites if site.status == UNCLASSIFIED]  # said in the report, never a status
+    sites = [site for site in sites if site.status != UNCLASSIFIED]
+    for site in result.notes:
+        site.path = rel
     for site in sites:
         site.path = rel
         if site.status == PATCHED:
@@ -329,8 +355,14 @@ def _one_line(exc: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------- the pipeline
-def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: int = 1, progress=None) -> Report:
-    """The whole pipeline; ``progress(done, total)`` is called as files are processed."""
+def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: int = 1, progress=None,
+               exclude: Iterable[str] = (), survey: str | None = None) -> Report:
+    """The whole pipeline; ``progress(done, total)`` is called as files are processed.
+
+    ``exclude``: ``--exclude`` patterns. ``survey``: say what the tree is before any step runs
+    (``survey.py``): ``"require"`` stops a tree with none of the recipe's decoders (one line, exit 2),
+    ``"report"`` only reports; None (``ci``, the corpus) runs the steps on anything.
+    """
     root = Path(root)
     if not root.exists():
         raise EngineError(f"path does not exist: {root}")
@@ -342,7 +374,11 @@ def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: in
         raise EngineError(f"not a Python file: {root}; pass the checkout's root folder (or a .py file)")
     if root.is_dir() and not any(root.iterdir()):
         raise EngineError(f"empty directory: {root}")
-    paths, skipped = discover(root, recipe)
+    excluded: dict[str, str] = {}
+    exclude = tuple(exclude)
+    paths, skipped = discover(root, recipe, exclude, excluded)
+    if not paths and not skipped and excluded:
+        raise EngineError(f"every Python file under {root} is left out by --exclude {' '.join(exclude)}")
     if not paths and not skipped:
         raise EngineError(f"no Python files matching {', '.join(recipe.include)} under {root}")
     if upstream is not None and upstream not in recipe.upstreams:
@@ -350,24 +386,48 @@ def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: in
     defined = set()
     scans = [re.compile(cls.TREE_TRIGGER) for cls in CODEMODS.values() if cls.TREE_TRIGGER]
     scanned: dict[str, str] = {}  # texts some step's tree scan wants
+    texts: dict[str, str] = {}  # every text, for the survey
+    where: dict[str, str] = {}  # function -> a file defining it
     for path in paths:
         try:
             text = path.read_text(encoding="utf-8", errors="replace")
         except OSError:
             continue
-        defined.update(defined_functions(text))
+        rel = path.relative_to(base).as_posix() if path != base else path.name
+        functions = defined_functions(text)
+        defined.update(functions)
+        if survey:
+            texts[rel] = text
+            for name in functions:
+                where.setdefault(name, rel)
         if any(p.search(text) for p in scans):
-            scanned[path.relative_to(base).as_posix() if path != base else path.name] = text
+            scanned[rel] = text
+    forced = upstream is not None
     if upstream is None:
         upstream = recipe.detect_upstream(defined)
+    found = survey_tree(texts, recipe, upstream, where) if survey and recipe.upstreams else None
+    if found is not None and not found.decoders:
+        if survey == "require" and not forced:
+            refuse(found, recipe, root)
+    elif found is not None and found.engine_folders:  # a decoder beside an engine's package: the engine is not patched
+        name = {f: e for e, fs in found.engines.items() for f in fs}
+        for path in [p for p in paths if any(p.relative_to(base).as_posix().startswith(f + "/") for f in found.engine_folders)]:
+            rel = path.relative_to(base).as_posix()
+            folder = next(f for f in found.engine_folders if rel.startswith(f + "/"))
+            excluded[rel] = f"a {name.get(folder + '/', 'serving engine')} package: ddpatch does not patch serving engines"
+            paths.remove(path)
+            scanned.pop(rel, None)
     specs = [(tree_scan(spec, CODEMODS[spec.codemod], scanned), CODEMODS[spec.codemod]) for spec in recipe.steps if spec.applies_to(upstream)]
     files = _map_files(base, paths, specs, recipe, jobs, progress)
     files += add_runtime_files(base, files)
     texts = {f.path: f.original for f in files if f.original is not None}
     steps = classify(recipe, upstream, files, texts)
     missing = sorted(a for a in (recipe.upstreams[upstream].anchors if upstream else ()) if a not in defined)
-    report = Report(recipe, root, upstream, files + skipped, steps, missing)
+    report = Report(recipe, root, upstream, files + skipped, steps, missing, decoders=found.decoders if found else {},
+                    exclude=exclude, excluded=excluded)
     mark_skipped(report)
+    if found is not None:
+        suggest_excludes(report, reached_by_decoders(report))
     return report
 
 

@@ -16,6 +16,7 @@ works and a final ``{"event": "result", ...}``. The work is in its sibling modul
 from __future__ import annotations
 
 import ast
+import fnmatch
 import importlib
 import json
 import sys
@@ -99,12 +100,23 @@ def ddpatch_modules() -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the tree
-def find_entry_points(tree: Path) -> dict[str, tuple[str, str]]:
-    """Per role, the module and the name defining it, from a static scan (nothing is imported)."""
+def _excluded(rel: Path, pattern: str) -> bool:
+    """``--exclude``'s reading (patcher.engine.pipeline.exclude_globs): a name anywhere, or a path from the root."""
+    pattern = pattern.strip().removeprefix("./").rstrip("/")
+    if "/" not in pattern:
+        return any(fnmatch.fnmatch(part, pattern) for part in rel.parts)
+    return any(fnmatch.fnmatch(rel.as_posix(), g) for g in (pattern, pattern + "/*"))
+
+
+def find_entry_points(tree: Path, exclude=()) -> dict[str, tuple[str, str]]:
+    """Per role, the module and the name defining it, from a static scan (nothing is imported); ``exclude``: the
+    ``--exclude`` patterns (a name anywhere, or a path from the tree's root), as check reads them."""
     found: dict[str, tuple[str, str]] = {}
     for path in sorted(tree.rglob("*.py")):
         rel = path.relative_to(tree)
         if any(part.startswith(".") or part in ("tests", "build", "__pycache__") for part in rel.parts):
+            continue
+        if any(_excluded(rel, p) for p in exclude):
             continue
         try:
             module = ast.parse(path.read_text(encoding="utf-8"))
@@ -147,10 +159,10 @@ def run(cfg: dict) -> dict:
     tree = Path(cfg["tree"]).resolve()
     env = {"transformers": transformers.__version__, "torch": torch.__version__, "python": sys.version.split()[0]}
     result: dict[str, Any] = {"tree": str(tree), "environment": env, "checks": [], "models": []}
-    modules = find_entry_points(tree)
+    modules = find_entry_points(tree, cfg.get("exclude") or ())
     missing = [" or ".join(ENTRY_POINTS[n]) for n in ("dflash_generate", "DFlashDraftModel") if n not in modules]
     if missing:
-        result["fatal"] = f"{tree} is not a DDTree/DFlash tree: no {', '.join(missing)} found"
+        result["fatal"] = f"no DDTree/DFlash decoder found in {tree} (looked for {', '.join(missing)})"
         return result
     try:
         fns = import_entry_points(tree, modules)

@@ -11,8 +11,9 @@ from .base import RUNTIME_MODULE, ast_dotted, ast_nodes
 def may_have_roles(tree) -> bool:
     """Whether a stdlib ``ast`` module could hold a drafter or a target (the steps' ``may_match``).
 
-    A call with ``target_hidden=``, a call through the runtime, or a function calling two
-    different models with ``past_key_values=`` (a drafter fed another model's features).
+    A call with ``target_hidden=``, a call through the runtime, a function calling two
+    different models with ``past_key_values=`` (a drafter fed another model's features), or
+    one model with a cache and a parameter given that model's features positionally.
     """
     for call in ast_nodes(tree, ast.Call):
         if any(k.arg == "target_hidden" for k in call.keywords):
@@ -24,7 +25,12 @@ def may_have_roles(tree) -> bool:
         calls = [c for c in ast.walk(fn) if isinstance(c, ast.Call) and any(k.arg == "past_key_values" for k in c.keywords)]
         calls = [c for c in calls if (ast_dotted(c.func) or "self").split(".")[0] not in ("self", "cls")]
         callees = {ast_dotted(c.func) for c in calls} - {None}
-        if len(callees) < 2:
+        # a drafter given the features positionally with no cache (`model.topk_generate(hidden, ...)`): a parameter's call
+        params = {a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs} - {"self", "cls"}
+        with_cache = {id(c) for c in calls}
+        positional = [c for c in ast.walk(fn) if isinstance(c, ast.Call) and c.args and id(c) not in with_cache
+                      and (ast_dotted(c.func) or ".").split(".")[0] in params] if callees else []
+        if len(callees) < 2 and not positional:
             continue
         assigned: dict[str, list] = {}
         for node in ast.walk(fn):
@@ -33,10 +39,15 @@ def may_have_roles(tree) -> bool:
                     name = ast_dotted(target)
                     if name:
                         assigned.setdefault(name, []).append(node.value)
-        for call in calls:
+        for call in calls if len(callees) >= 2 else ():
             callee = ast_dotted(call.func)
             if callee and any(_ast_fed(arg, callee, callees, assigned, 6, set()) for arg in
                               [*call.args, *(k.value for k in call.keywords if k.arg != "past_key_values")]):
+                return True
+        for call in positional:
+            callee = ast_dotted(call.func)
+            others = {c for c in callees if c.split(".")[0] != callee.split(".")[0]} | {callee}
+            if len(others) > 1 and any(_ast_fed(arg, callee, others, assigned, 6, set()) for arg in call.args):
                 return True
     return False
 
