@@ -128,8 +128,10 @@ def reached_by_decoders(report: Report) -> set[str]:
     texts = {f.path: f.patched or f.original for f in report.files if (f.patched or f.original) is not None}
     imports = read_imports(report.root if report.root.is_dir() else report.root.parent, texts)
     reached = imports.reach(set(report.decoders))
+    # a sibling the tree itself says is gone stops apply where the decoders import it; a module that is merely not
+    # installed here (an optional package, one of another environment) is listed, never a refusal
     report.import_issues = [
-        ImportIssue(rel, imp.line, imp.module, _import_message(imp, rel in reached), rel in reached)
+        ImportIssue(rel, imp.line, imp.module, _import_message(imp, rel in reached), imp.in_tree and rel in reached)
         for rel, found in sorted(imports.broken.items()) for imp in found
     ]
     return reached
@@ -141,8 +143,10 @@ def _import_message(imp, reached: bool) -> str:
         what = f"`{imp.module}` names no file of the tree (a sibling module deleted or renamed?)"
     else:
         what = f"no `{top}.py` or `{top}/` in the tree, and no module `{top}` installed here (a sibling module deleted, or a package this environment lacks?)"
+    if reached and imp.in_tree:
+        return what + "; the decoders import this file, so neither they nor `ddpatch verify` can load: restore the module"
     if reached:
-        return what + "; the decoders import this file, so `ddpatch verify` cannot load them here: restore the module, or install it in this environment (the one you decode in)"
+        return what + "; the decoders import this file, so `ddpatch verify` cannot load them here unless it is installed"
     return what
 
 

@@ -66,7 +66,8 @@ class UseAccessor(Step):
         forms = [chain(params["path"]) + r"\b", re.escape(params["accessor"]) + r"\s*\(\s*\)"]
         forms += [chain(f) + r"\b" for f in params["fixed_forms"]]
         words = dict.fromkeys(f.rsplit(".", 1)[-1] for f in [params["path"], params["accessor"], *params["fixed_forms"]])
-        return ("|".join(re.escape(w) for w in words), skip + r"\.\s*(?:" + "|".join(forms) + ")")
+        via_getattr = r"getattr\([^)]*[\"']" + re.escape(params["accessor"]) + r"[\"']"  # getattr(X, "get_input_embeddings")
+        return ("|".join(re.escape(w) for w in words), skip + r"\.\s*(?:" + "|".join(forms) + ")|" + via_getattr)
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)

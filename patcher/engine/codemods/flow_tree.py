@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import ast
 import re
-from typing import TYPE_CHECKING
-
 import libcst as cst
 
 from .base import CACHE_KEYWORDS, RUNTIME_MODULE, ast_dotted, ast_nodes, dotted
 from .flow_prefilter import _ast_fed
 
-if TYPE_CHECKING:
-    from .flow import Fn
+# ``fn`` below is a ``flow.Fn`` (flow imports this module, so the type is named, not imported)
 
 _LOADERS = ("from_pretrained", "from_config")
 _DECODER_TEXT = re.compile(r"target_hidden|" + RUNTIME_MODULE)
