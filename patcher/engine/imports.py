@@ -1,9 +1,10 @@
 """The tree's imports: which of its files each file imports, and the imports that resolve to nothing.
 
-Read with a regular expression over every file (cheap), then, for a file with an import that
-resolves to nothing, confirmed with the stdlib ``ast`` (a string that looks like an import is not
-one; an import inside ``try: ... except ImportError``, under ``if TYPE_CHECKING:`` or inside a
-function is optional or lazy by intent).
+Read with a regular expression over every file (cheap). An import that resolves to nothing counts
+only where it is written unconditionally at the module's top level (at column 0, outside a
+triple-quoted string): one inside ``try: ... except ImportError``, under an ``if`` (``if
+TYPE_CHECKING:``, ``if is_torch_available():``) or inside a function is optional, conditional or
+lazy by intent, and a string that looks like an import is not one.
 
 An import resolves when the file it names is in the tree (next to the importing script, at the
 tree's root or under ``src/``, or relative to the importing package), or, for a top-level name
@@ -15,11 +16,9 @@ the tree's).
 
 from __future__ import annotations
 
-import ast
 import os
 import re
 import sys
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -28,7 +27,6 @@ from .codemods.base import RUNTIME_MODULE
 _IMPORT = re.compile(
     r"^[ \t]*(?:from[ \t]+(?P<dots>\.*)(?P<mod>[\w.]*)[ \t]+import[ \t]+(?P<names>\([^)]*\)|[^\n#;]+)"
     r"|import[ \t]+(?P<plain>[^\n#;]+))", re.M)
-_CATCHES = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
 
 
 @dataclass
@@ -58,8 +56,7 @@ class TreeImports:
 
 
 def read_imports(root: Path, texts: dict[str, str]) -> TreeImports:
-    """Every tree file's imports of other tree files, and the imports that resolve to nothing (confirmed with ``ast``:
-    only module-level imports, not under ``try: ... except ImportError`` nor ``if TYPE_CHECKING:``)."""
+    """Every tree file's imports of other tree files, and the unconditional module-level imports that resolve to nothing."""
     out = TreeImports(root)
     finder = _Finder(root, set(texts))
     for rel, text in texts.items():
@@ -86,6 +83,9 @@ class _Finder:
     def __init__(self, root: Path, files: set[str]) -> None:
         self.root = root
         self.files = files
+        #: the folders that hold a file of the run (anything else, a file left out or the runtime, is looked up on disk)
+        self.folders = {str(PurePosixPath(f).parent) for f in files}
+        self._exists: dict[tuple, str | bool] = {}
         self._installed: dict[str, bool] = {}
         here = {"", ".", os.getcwd()}
         self._path = [p for p in sys.path if p not in here and Path(p).resolve() != root]
@@ -93,11 +93,16 @@ class _Finder:
     def exists(self, folder: PurePosixPath, dotted: str) -> str | bool:
         """The tree file ``dotted`` names under ``folder`` (``a/b.py`` or ``a/b/__init__.py``), True for a folder
         without ``__init__`` (a namespace package), else False."""
-        rel = PurePosixPath(folder, *dotted.split("."))
-        for candidate in (f"{rel}.py", f"{rel}/__init__.py"):
-            if candidate in self.files or (self.root / candidate).is_file():
-                return candidate
-        return (self.root / rel).is_dir()
+        key = (folder, dotted)
+        if key not in self._exists:
+            rel = PurePosixPath(folder, *dotted.split("."))
+            found: str | bool = False
+            for candidate in (f"{rel}.py", f"{rel}/__init__.py"):
+                if candidate in self.files or (self.root / candidate).is_file():
+                    found = candidate
+                    break
+            self._exists[key] = found or str(rel) in self.folders or (self.root / rel).is_dir()
+        return self._exists[key]
 
     def installed(self, top: str) -> bool:
         if top not in self._installed:
@@ -163,30 +168,15 @@ class _Finder:
 
 
 def _confirm(text: str, suspects: list[Import]) -> list[Import]:
-    """The suspects that are real module-level imports, not guarded by ``try``/``except ImportError`` nor ``TYPE_CHECKING``."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            tree = ast.parse(text)
-    except (SyntaxError, ValueError, RecursionError):
-        return []
-    live: set[int] = set()
-
-    def walk(body: list, guarded: bool) -> None:
-        for node in body:
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and not guarded:
-                live.add(node.lineno)
-            elif isinstance(node, ast.Try):
-                catches = {ast.unparse(h.type) if h.type is not None else "BaseException" for h in node.handlers}
-                caught = {c.strip("() ") for part in catches for c in part.split(",")}
-                walk(node.body, guarded or bool(caught & _CATCHES))
-                walk(node.orelse + node.finalbody, guarded)
-            elif isinstance(node, ast.If):
-                typing_only = "TYPE_CHECKING" in ast.unparse(node.test)
-                walk(node.body, guarded or typing_only)
-                walk(node.orelse, guarded)
-            elif isinstance(node, (ast.With,)):
-                walk(node.body, guarded)
-
-    walk(tree.body, False)
-    return [s for s in suspects if s.line in live]
+    """The suspects that are unconditional module-level imports: written at column 0 (an import under ``try``, ``if``,
+    ``with`` or ``def`` is indented) and not inside a triple-quoted string (an even count of them before it)."""
+    starts = [0] + [i + 1 for i, ch in enumerate(text) if ch == "\n"]
+    out = []
+    for imp in suspects:
+        at = starts[imp.line - 1] if imp.line - 1 < len(starts) else len(text)
+        if text[at:at + 1] not in ("i", "f"):
+            continue
+        before = text[:at]
+        if (before.count('"""') + before.count("'''")) % 2 == 0:
+            out.append(imp)
+    return out

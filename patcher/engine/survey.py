@@ -62,6 +62,8 @@ def survey(texts: dict[str, str], recipe: Recipe, upstream: str | None, defined:
                 out.engine_folders.append(folder)
                 out.engines.setdefault(ENGINES[part], []).append(folder + "/")
     for rel, text in texts.items():
+        if "vllm." not in text and "sglang." not in text:
+            continue
         for m in _ENGINE_IMPORT.finditer(text):
             if not any(rel.startswith(f + "/") for f in out.engine_folders):
                 out.engines.setdefault(ENGINES[m.group(1)], []).append(rel)
@@ -124,15 +126,22 @@ def refuse(found: Survey, recipe: Recipe, root: Path) -> None:
 
 # ----------------------------------------------------------------------------- after the steps
 def reached_by_decoders(report: Report) -> set[str]:
-    """The decoder files and every tree file they import, transitively (read from the patched texts)."""
-    texts = {f.path: f.patched or f.original for f in report.files if (f.patched or f.original) is not None}
-    imports = read_imports(report.root if report.root.is_dir() else report.root.parent, texts)
+    """The decoder files and every tree file they import, transitively; sets ``report.import_issues``.
+
+    Read from the files as they are on disk (the lines a user opens), keeping only the imports that
+    still resolve to nothing once patched (lazy-datasets moves a module-level import into its function).
+    """
+    root = report.root if report.root.is_dir() else report.root.parent
+    imports = read_imports(root, {f.path: f.original for f in report.files if f.original is not None})
     reached = imports.reach(set(report.decoders))
+    patched = {f.path: f.patched for f in report.files if f.changed and f.patched and f.path in imports.broken}
+    still = read_imports(root, patched).broken if patched else {}
     # a sibling the tree itself says is gone stops apply where the decoders import it; a module that is merely not
     # installed here (an optional package, one of another environment) is listed, never a refusal
     report.import_issues = [
         ImportIssue(rel, imp.line, imp.module, _import_message(imp, rel in reached), imp.in_tree and rel in reached)
         for rel, found in sorted(imports.broken.items()) for imp in found
+        if rel not in patched or any(i.module == imp.module for i in still.get(rel, ()))
     ]
     return reached
 

@@ -24,10 +24,8 @@ from .flow_prefilter import _ast_fed
 _LOADERS = ("from_pretrained", "from_config")
 _DECODER_TEXT = re.compile(r"target_hidden|" + RUNTIME_MODULE)
 _DEF = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)", re.M)
+_BARE_CACHE = re.compile(r"DynamicCache\(\s*\)")
 _CAUSAL_LM = re.compile(r"(ForCausalLM|ForConditionalGeneration|^AutoModelForImageTextToText)$")
-#: a causal LM loaded into a name, in code (a docstring's ``>>> model = ...`` is not)
-_LOADS_CAUSAL_LM = re.compile(r"^[ \t]*[\w.]+[ \t]*=[ \t]*[\w.]*(?:ForCausalLM|ForConditionalGeneration|AutoModelForImageTextToText)"
-                              r"\.from_(?:pretrained|config)\(", re.M)
 
 
 # ----------------------------------------------------------------------------- names that hold a model
@@ -136,12 +134,11 @@ def _bind(call: ast.Call, params: list[str]) -> list[tuple[str, ast.expr]]:
 def target_seeds(sources: dict[str, str]) -> dict[str, list]:
     """``{function: [positional index or keyword, ...]}``: where callers in the tree hand a tree function the target.
 
-    A caller holds the target in a name it hands a decoder as the decoder's target (the benchmark's
-    ``dflash_generate(draft, target, ...)``), or in a name it loads a causal LM into
-    (``target = AutoModelForCausalLM.from_pretrained(...)``); every other function of the tree it hands
-    that name to (``target_generate(target, ...)``) gets it as the target. Decoders are read only in
-    files that mention ``target_hidden`` or the runtime; callers only in files that call a decoder by
-    name or load a causal LM in code.
+    A caller that hands a decoder its target (the benchmark's ``dflash_generate(draft, target, ...)``)
+    holds the target in that name (and in a name it loads a causal LM into); every function of the tree
+    that builds a bare ``DynamicCache()`` (the only ones a seed can change) and that the caller hands the
+    name to (``target_generate(target, ...)``) gets it as the target. Decoders are read only in files
+    that mention ``target_hidden`` or the runtime; callers only in files that call a decoder by name.
     """
     decoders: dict[str, tuple[list[str], set[str]]] = {}
     for text in sources.values():
@@ -152,15 +149,16 @@ def target_seeds(sources: dict[str, str]) -> dict[str, list]:
             targets = decoder_targets(fn)
             if targets:
                 decoders[fn.name] = ([a.arg for a in fn.args.posonlyargs + fn.args.args], targets)
-    calls_decoder = re.compile(r"\b(?:" + "|".join(map(re.escape, decoders)) + r")\s*\(") if decoders else None
-    defined: set[str] | None = None
+    if not decoders:
+        return {}
+    # only a function that builds a bare cache can use a seed
+    bare = {name for text in sources.values() if _BARE_CACHE.search(text) for name in _DEF.findall(text)}
+    calls_decoder = re.compile(r"\b(?:" + "|".join(map(re.escape, decoders)) + r")\s*\(")
     seeds: dict[str, set] = {}
     for text in sources.values():
-        if not ((calls_decoder and calls_decoder.search(text)) or _LOADS_CAUSAL_LM.search(text)):
+        if not calls_decoder.search(text):
             continue
         tree = _parse(text)
-        if defined is None:
-            defined = {name for t in sources.values() for name in _DEF.findall(t)}
         for scope in [tree, *_functions(tree)] if tree is not None else ():
             calls = [c for c in ast.walk(scope) if isinstance(c, ast.Call)]
             held = {n for n, values in _assigned(scope).items() if any(_loads_causal_lm(v) for v in values)}
@@ -171,7 +169,7 @@ def target_seeds(sources: dict[str, str]) -> dict[str, list]:
                     held |= {a.id for p, a in _bind(c, params) if p in targets and isinstance(a, ast.Name)}
             for c in calls if held else ():
                 name = (ast_dotted(c.func) or "").split(".")[-1]
-                if name not in defined:
+                if name not in bare or name in decoders:
                     continue
                 entries = {i for i, a in enumerate(c.args) if isinstance(a, ast.Name) and a.id in held}
                 entries |= {k.arg for k in c.keywords if k.arg and isinstance(k.value, ast.Name) and k.value.id in held}

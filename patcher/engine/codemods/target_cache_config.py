@@ -204,6 +204,7 @@ class TargetCacheConfig(Step):
 
     def _unclassified(self, flow: ModuleFlow) -> None:
         """A bare cache given to a model that nothing says is the target or the drafter: left alone, and said so."""
+        said: set[int] = set()
         for fn in flow.fns:
             for mc in fn.model_calls:
                 roles = fn.role(mc.callee)
@@ -214,7 +215,8 @@ class TargetCacheConfig(Step):
                 if name and fn.role(name) & {TARGET_CACHE, DRAFT_CACHE}:
                     continue
                 for creation in made:
-                    if flow.is_cache_call(creation) and not creation.args:
+                    if flow.is_cache_call(creation) and not creation.args and id(creation) not in said:
+                        said.add(id(creation))
                         self.marks.append((creation, UNCLASSIFIED, (
                             f"left alone: `{code(creation)}` is given to `{mc.callee}(...)` in `{fn.name}`, and nothing says whether "
                             f"`{mc.callee}` is the target (no drafter in `{fn.name}`, no caller that hands it the target beside a "
