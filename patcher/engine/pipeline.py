@@ -30,7 +30,7 @@ from .codemods import CODEMODS
 from .codemods.base import IN_PACKAGE, PATCHED, Step, place, site_positions
 from .files import add_runtime_files, decode_source, defined_functions, read_provenance, write_provenance
 from .recipe import Recipe, StepSpec
-from .survey import reached_by_decoders, refuse, suggest_excludes
+from .survey import leave_out_engines, reached_by_decoders, refuse, suggest_excludes
 from .survey import survey as survey_tree
 
 SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".tox", ".mypy_cache", ".pytest_cache", "node_modules"}
@@ -410,13 +410,7 @@ def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: in
         if survey == "require" and not forced:
             refuse(found, recipe, root)
     elif found is not None and found.engine_folders:  # a decoder beside an engine's package: the engine is not patched
-        name = {f: e for e, fs in found.engines.items() for f in fs}
-        for path in [p for p in paths if any(p.relative_to(base).as_posix().startswith(f + "/") for f in found.engine_folders)]:
-            rel = path.relative_to(base).as_posix()
-            folder = next(f for f in found.engine_folders if rel.startswith(f + "/"))
-            excluded[rel] = f"a {name.get(folder + '/', 'serving engine')} package: ddpatch does not patch serving engines"
-            paths.remove(path)
-            scanned.pop(rel, None)
+        paths = leave_out_engines(found, paths, base, excluded, scanned)
     specs = [(tree_scan(spec, CODEMODS[spec.codemod], scanned), CODEMODS[spec.codemod]) for spec in recipe.steps if spec.applies_to(upstream)]
     files = _map_files(base, paths, specs, recipe, jobs, progress)
     files += add_runtime_files(base, files)

@@ -81,6 +81,21 @@ def survey(texts: dict[str, str], recipe: Recipe, upstream: str | None, defined:
     return out
 
 
+def leave_out_engines(found: Survey, paths: list[Path], base: Path, excluded: dict[str, str], scanned: dict[str, str]) -> list[Path]:
+    """``paths`` without the files of the engines' package folders (recorded in ``excluded``, dropped from ``scanned``)."""
+    names = {folder.rstrip("/"): engine for engine, evidence in found.engines.items() for folder in evidence}
+    kept = []
+    for path in paths:
+        rel = path.relative_to(base).as_posix()
+        folder = next((f for f in found.engine_folders if rel.startswith(f + "/")), None)
+        if folder is None:
+            kept.append(path)
+            continue
+        excluded[rel] = f"a {names.get(folder, 'serving engine')} package: ddpatch does not patch serving engines"
+        scanned.pop(rel, None)
+    return kept
+
+
 def decoder_function(text: str) -> str | None:
     """Why ``text`` holds a decoder: a function (not a drafter's own method) that hands a model ``target_hidden=``, or
     that goes through the runtime's ``verify_forward`` / ``draft_forward`` / ``adopt_forward``; else None."""
