@@ -207,7 +207,12 @@ class RemovedApi(Step):
             self.record(node, NO_MATCH, f"`{code(node)}`: transformers 5.x caches have no `{attr}`; they have {ATTRIBUTES[attr]}")
 
     def visit_Subscript(self, node: cst.Subscript) -> None:
-        if not self._roles(node.value) & {CACHE, TARGET_CACHE, DRAFT_CACHE} or len(node.slice) != 1:
+        # a cache a model is given by data flow, or one named as transformers names it: a module's own `cache=` structure
+        # (a dict of its layers, say) indexed by layer is not the legacy format
+        roles, name = self._roles(node.value), dotted(node.value) or ""
+        if not (roles & {TARGET_CACHE, DRAFT_CACHE} or CACHE in roles and name.split(".")[-1].startswith("past_key_values")):
+            return
+        if len(node.slice) != 1:
             return
         if not isinstance(node.slice[0].slice, cst.Index):
             return
