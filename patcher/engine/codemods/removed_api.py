@@ -17,7 +17,9 @@ Statuses and the evidence each rests on:
   ``DynamicCache.from_legacy_cache(t)`` and ``X[i]`` go through ``_ddpatch_runtime.to_legacy_cache`` /
   ``from_legacy_cache`` / ``legacy_layer``, which do what 4.57 did (and refuse, in one line, a layer that holds
   no keys and values).
-* ``already-applied`` / ``fixed-upstream`` -- the call already goes through one of those runtime helpers.
+* ``already-applied`` / ``fixed-upstream`` -- the call already goes through one of those runtime helpers;
+  ``fixed-upstream`` also for a removed form under ``if hasattr(X, "<name>")`` (a branch for the releases that have
+  it, which 5.x skips: DDTree's ``compact_dynamic_cache`` reads ``key_cache`` that way).
 * ``no-match`` (a site naming the line and the form) -- the legacy format on the target's cache, or on a cache
   whose owner data flow does not say: a tuple of keys and values has no place for a hybrid target's
   linear-attention state, so no rewrite is exact; and every form without a 5.x equivalent.
@@ -33,7 +35,7 @@ import re
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from .base import APPLIED, NO_MATCH, PATCHED, Example, Step, ast_dotted, ast_nodes, code, dotted, is_runtime_call, runtime_call
+from .base import APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, Step, ast_dotted, ast_nodes, code, dotted, is_runtime_call, runtime_call
 from .flow import CACHE, DRAFT_CACHE, DRAFTER, TARGET_CACHE, ModuleFlow, is_role
 
 #: method -> what transformers 5.x has instead (None: rewritten, see ``leave_Call``)
@@ -123,9 +125,40 @@ class RemovedApi(Step):
         self.flow: ModuleFlow | None = None
         self._fns: list = [None]
         self.rewrite: dict[cst.CSTNode, str] = {}
+        self._guards: list[dict] = []  # the enclosing ifs: the hasattr(...) forms their body may use
 
     def visit_Module(self, node: cst.Module) -> bool:
         self.flow = ModuleFlow(node)
+        return True
+
+    # -- a branch only for the releases that have the form: `if hasattr(cache, "key_cache"):` ---------------------
+    def visit_If(self, node: cst.If) -> None:
+        self._leave_body(node)  # an `elif` is the orelse of the `if` before it
+        guards = set()
+        for call in _calls(node.test):
+            if dotted(call.func) == "hasattr" and len(call.args) == 2 and isinstance(call.args[1].value, cst.SimpleString):
+                guards.add((dotted(call.args[0].value), call.args[1].value.evaluated_value))
+        self._guards.append({"guards": guards, "orelse": id(node.orelse) if node.orelse is not None else None})
+
+    def leave_If(self, original_node: cst.If, updated_node: cst.If) -> cst.If:
+        self._guards.pop()
+        return updated_node
+
+    def visit_Else(self, node: cst.Else) -> None:
+        self._leave_body(node)
+
+    def _leave_body(self, node) -> None:
+        for frame in self._guards:
+            if frame["orelse"] == id(node):
+                frame["guards"] = set()  # the else branch runs where the form is absent: no guard there
+
+    def _guarded(self, node: cst.CSTNode, receiver: cst.BaseExpression, name: str) -> bool:
+        """``node`` (``receiver.name``) sits in the body of an ``if hasattr(receiver, "name")``: said fixed-upstream."""
+        key = (dotted(receiver), name)
+        if not any(key in frame["guards"] for frame in self._guards):
+            return False
+        self.record(node, FIXED_UPSTREAM, f"`{code(node)}` runs only under `hasattr({key[0]}, \"{name}\")`: a branch for the "
+                                          "releases that have it, which transformers 5.x skips")
         return True
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
@@ -187,6 +220,8 @@ class RemovedApi(Step):
         if not isinstance(func, cst.Attribute) or func.attr.value not in METHODS or dotted(func.value) in ("self", "cls"):
             return
         method, receiver = func.attr.value, func.value
+        if self._guarded(node, receiver, method):
+            return
         if method == "get_max_cache_shape":
             self.rewrite[node] = method
         elif method == "to_legacy_cache" and self._draft(receiver):
@@ -203,7 +238,7 @@ class RemovedApi(Step):
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         attr = node.attr.value
-        if attr in ATTRIBUTES and self._roles(node.value) & {CACHE, TARGET_CACHE, DRAFT_CACHE}:
+        if attr in ATTRIBUTES and self._roles(node.value) & {CACHE, TARGET_CACHE, DRAFT_CACHE} and not self._guarded(node, node.value, attr):
             self.record(node, NO_MATCH, f"`{code(node)}`: transformers 5.x caches have no `{attr}`; they have {ATTRIBUTES[attr]}")
 
     def visit_Subscript(self, node: cst.Subscript) -> None:
@@ -244,3 +279,14 @@ class RemovedApi(Step):
         self.record(original_node, APPLIED, f"`{code(original_node)}` on the draft's cache -> `legacy_layer(...)`")
         index = updated_node.slice[0].slice.value
         return runtime_call(self, "legacy_layer", [cst.Arg(updated_node.value), cst.Arg(index)])
+
+
+def _calls(node: cst.CSTNode) -> list[cst.Call]:
+    found: list[cst.Call] = []
+
+    class _V(cst.CSTVisitor):
+        def visit_Call(self, call: cst.Call) -> None:
+            found.append(call)
+
+    node.visit(_V())
+    return found
