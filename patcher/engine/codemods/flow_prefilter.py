@@ -22,14 +22,16 @@ def may_have_roles(tree) -> bool:
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == RUNTIME_MODULE:
             return True
     for fn in ast_nodes(tree, ast.FunctionDef, ast.AsyncFunctionDef):
-        calls = [c for c in ast.walk(fn) if isinstance(c, ast.Call) and any(k.arg == "past_key_values" for k in c.keywords)]
-        calls = [c for c in calls if (ast_dotted(c.func) or "self").split(".")[0] not in ("self", "cls")]
+        every = [c for c in ast.walk(fn) if isinstance(c, ast.Call)]
+        calls = [c for c in every if any(k.arg == "past_key_values" for k in c.keywords)
+                 and (ast_dotted(c.func) or "self").split(".")[0] not in ("self", "cls")]
+        if not calls:
+            continue
         callees = {ast_dotted(c.func) for c in calls} - {None}
         # a drafter given the features positionally with no cache (`model.topk_generate(hidden, ...)`): a parameter's call
         params = {a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs} - {"self", "cls"}
         with_cache = {id(c) for c in calls}
-        positional = [c for c in ast.walk(fn) if isinstance(c, ast.Call) and c.args and id(c) not in with_cache
-                      and (ast_dotted(c.func) or ".").split(".")[0] in params] if callees else []
+        positional = [c for c in every if c.args and id(c) not in with_cache and (ast_dotted(c.func) or ".").split(".")[0] in params]
         if len(callees) < 2 and not positional:
             continue
         assigned: dict[str, list] = {}

@@ -5,8 +5,8 @@ Read from transformers 4.57.1 and 5.21.0 - 5.25.0's ``cache_utils.py``: no relea
 * ``DynamicCache.to_legacy_cache()``, ``DynamicCache.from_legacy_cache(...)`` and ``cache[i]`` (the legacy tuple of
   ``(keys, values)`` per layer, gone in 5.0);
 * ``Cache.get_max_cache_shape(layer_idx=0)``, which 5.x spells ``get_max_length(layer_idx)``;
-* ``get_usable_length(...)``, ``seen_tokens``, ``key_cache`` / ``value_cache``, ``max_batch_size`` and
-  ``max_cache_len`` (gone before 5.0; code written for an older 4.x still calls them).
+* ``get_usable_length(...)``, ``seen_tokens``, ``key_cache`` / ``value_cache`` (gone before 5.0; code written
+  for an older 4.x still calls them).
 
 Code that calls one fails on 5.x (``AttributeError``), the patched tree's warm-up included.
 
@@ -30,12 +30,12 @@ The step has no anchors: a tree that calls none of these reports nothing for it.
 from __future__ import annotations
 
 import ast
-import re
 
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from .base import APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, Step, ast_dotted, ast_nodes, code, dotted, is_runtime_call, runtime_call
+from .base import (APPLIED, CACHE_KEYWORDS, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, Step, ast_dotted, ast_nodes, code, dotted,
+                   is_runtime_call, runtime_call)
 from .flow import CACHE, DRAFT_CACHE, DRAFTER, TARGET_CACHE, ModuleFlow, is_role
 
 #: method -> what transformers 5.x has instead (None: rewritten, see ``leave_Call``)
@@ -49,12 +49,8 @@ ATTRIBUTES = {
     "seen_tokens": "`get_seq_length()`",
     "key_cache": "`cache.layers[i].keys`",
     "value_cache": "`cache.layers[i].values`",
-    "max_batch_size": "`cache.layers[0].max_batch_size` on a static cache",
-    "max_cache_len": "`get_max_length()`",
 }
 HELPERS = ("to_legacy_cache", "from_legacy_cache", "legacy_layer")
-#: what the prefilter takes for a cache being indexed (the step decides by data flow)
-_CACHE_NAME = re.compile(r"(?:cache|past_key_values)\w*$")
 _TUPLE = ("a tuple of keys and values has no place for a hybrid target's linear-attention state, so no rewrite is exact: "
           "keep the DynamicCache object")
 
@@ -63,8 +59,9 @@ class RemovedApi(Step):
     ID = "removed-api"
     DESCRIPTION = ("Rewrite cache APIs transformers 5.x removed (`to_legacy_cache`, `from_legacy_cache`, `cache[i]`, "
                    "`get_max_cache_shape`) where 5.x has an exact equivalent; name the others.")
-    TRIGGERS = (r"legacy_cache|legacy_layer|get_max_cache_shape|get_usable_length|seen_tokens|key_cache|value_cache|max_batch_size"
-                r"|max_cache_len|(?:cache|past_key_values)\w*\s*\[",)
+    #: an index is looked for on a name that reads as a cache (``past_key_values[0]``, ``draft_cache[i]``): the text prefilter
+    TRIGGERS = (r"legacy_cache|legacy_layer|get_max_cache_shape|get_usable_length|seen_tokens|key_cache|value_cache"
+                r"|(?:cache|past_key_values)\w*\s*\[",)
     PARAMS: dict = {}
     USES_RUNTIME = True
     NEEDS_SCOPE = True
@@ -116,9 +113,17 @@ class RemovedApi(Step):
     @classmethod
     def may_match(cls, tree: ast.Module, params) -> bool:
         names = {*METHODS, *ATTRIBUTES, *HELPERS}
-        if any(n.attr in names for n in ast_nodes(tree, ast.Attribute)):
+        if any(n.attr in names and ast_dotted(n.value) not in ("self", "cls") for n in ast_nodes(tree, ast.Attribute)):
             return True
-        return any(_CACHE_NAME.search(ast_dotted(n.value) or "") and not isinstance(n.slice, ast.Slice) for n in ast_nodes(tree, ast.Subscript))
+        # an index into a name a model is given as its cache, or one named as a cache (past_key_values*, *cache*; not an
+        # attribute of self: a tokenizer's own `self.cache[...]`)
+        given = {ast_dotted(k.value) for c in ast_nodes(tree, ast.Call) for k in c.keywords if k.arg in CACHE_KEYWORDS}
+        for n in ast_nodes(tree, ast.Subscript):
+            name = ast_dotted(n.value) or ""
+            named = "cache" in name.split(".")[-1] or name.split(".")[-1].startswith("past_key_values")
+            if not isinstance(n.slice, ast.Slice) and (name in given or named and name.split(".")[0] not in ("self", "cls")):
+                return True
+        return False
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)
