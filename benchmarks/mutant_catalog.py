@@ -260,7 +260,7 @@ MUTANTS = [
            "            if True:\n                return LENGTH, f\"`{name}` (a parameter: 4.x code passes lengths)\"\n",
            "a helper's parameter is always a length, whatever its callers pass"),
     # ------------------------------------------------------------------ patcher.lossless (generate() on stateful models)
-    Mutant("L1", "lossless", "patcher/lossless.py", "        self.record = record\n", "        self.record = False\n",
+    Mutant("L1", "lossless", "patcher/generation/context.py", "        self.record = record\n", "        self.record = False\n",
            "lossless() records nothing (on 5.24+, where nothing is refused, it then does nothing)"),
     # ------------------------------------------------------------------ the verifier's noise floor
     Mutant("K1", "calibration", "patcher/verify/calibration.py",
@@ -296,13 +296,13 @@ MUTANTS = [
     Mutant("S6", "runtime_safety", RUNTIME, "        index = indices.get(tensor.device)\n",
            "        index = None\n", "the compaction index is built again for each K/V tensor (a host-to-device copy each)"),
     # ------------------------------------------------------------------ patcher.lossless: more
-    Mutant("L2", "lossless", "patcher/lossless.py",
+    Mutant("L2", "lossless", "patcher/generation/forwards.py",
            "    depth = _depth(model)\n\n    @functools.wraps(original)\n    def forward(*args, **kwargs):\n",
            "    depth = _depth(model)\n\n    def forward(*args, **kwargs):\n",
            "the recording forward loses the model forward's signature (transformers builds position_ids from it; MTP needs them)"),
-    Mutant("L3", "lossless", "patcher/lossless.py", "        if value is _MISSING:\n            vars(model).pop(name, None)\n",
+    Mutant("L3", "lossless", "patcher/generation/forwards.py", "        if value is _MISSING:\n            vars(model).pop(name, None)\n",
            "        if value is _MISSING:\n            pass\n", "leaving the context keeps the recording forward on the instance"),
-    Mutant("L4", "lossless", "patcher/lossless.py",
+    Mutant("L4", "lossless", "patcher/generation/forwards.py",
            "        if id(model) in inside or cache_of(args, kwargs) is None or _depth(model) != depth:\n",
            "        if id(model) in inside or cache_of(args, kwargs) is None:\n",
            "an early-exit draft (the same model, fewer layers) is recorded as if it were the target"),

@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable
 
+from . import shipped
 from .ci import BISECT_THRESHOLD, HUNK_LINES
 from .engine.recipe import Recipe, builtin_recipes, load_recipe
 from .errors import INPUT_ERRORS, CIError, EngineError, JournalError, RecipeError, VerifierCrash, VerifyError
@@ -91,19 +92,22 @@ def lossy_steps(report: Report, recipe: Recipe) -> list[str]:
 
 # ----------------------------------------------------------------------------- apply / diff / check
 def run(path: str | Path, recipe: str | Recipe = DEFAULT_RECIPE, select=None, ignore=None, upstream: str | None = None,
-        jobs: int = 0, progress: Callable[[int, int], None] | None = None, exclude: Iterable[str] = ()) -> Report:
+        jobs: int = 0, progress: Callable[[int, int], None] | None = None, exclude: Iterable[str] = (),
+        include_vendored: bool = False) -> Report:
     """Run a recipe over ``path`` and return its report; nothing is written. ``jobs=0``: one per CPU.
 
     ``exclude``: ``--exclude`` patterns (files and folders left out, said in the report). A tree with none
     of the recipe's decoders is refused in one line (``engine.survey``), unless ``select`` or ``upstream``
-    says what to run on it."""
+    says what to run on it. ``include_vendored``: also check the folders that look like copies of
+    third-party packages; by default they are listed in ``Report.vendored`` and not parsed (docs/usage.md).
+    """
     from .engine.pipeline import run_recipe
 
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     survey = "report" if select is not None else "require"
     recipe = select_steps(recipe, select, ignore)
     return run_recipe(recipe, Path(path), upstream=upstream, jobs=jobs or os.cpu_count() or 1, progress=progress,
-                      exclude=tuple(exclude or ()), survey=survey)
+                      exclude=tuple(exclude or ()), survey=survey, include_vendored=include_vendored)
 
 
 def require_code(report: Report) -> None:
@@ -194,10 +198,10 @@ def revert(path: str | Path, force: bool = False) -> RevertResult:
 
 
 def vendored_root() -> Path:
-    """The built-in upstream-shaped code (``vendored/``) of a source checkout."""
-    root = Path(__file__).resolve().parent.parent / "vendored"
+    """The built-in upstream-shaped code (``vendored/``), of the checkout or of the install (``patcher.shipped``)."""
+    root = shipped("vendored")
     if not root.is_dir():
-        raise ValueError("the built-in upstream-shaped code ships with the source checkout; install ddpatch with `pip install -e .` from a clone")
+        raise ValueError(f"the built-in upstream-shaped code is missing from this install ({root}); reinstall ddpatch")
     return root
 
 
@@ -228,25 +232,86 @@ def workflow_template() -> str:
     return workflow_template()
 
 
-def verify(path: str | Path, timeout: float = 600.0, progress: Callable[[dict], None] | None = None, **options) -> Outcome:
+def verify(path: str | Path, timeout: float = 600.0, progress: Callable[[dict], None] | None = None, upstream_tests: bool = False,
+           original: str | Path | None = None, **options) -> Outcome:
     """Run the tree's own decoders in a child process and judge them (options: the keys of ``patcher.verify.runner.DEFAULTS``,
-    ``target``/``draft`` folders, ``scripted_draft``, ``temperature``, ...)."""
+    ``target``/``draft`` folders, ``scripted_draft``, ``temperature``, ...). ``upstream_tests``: also run the tree's own
+    tests before and after the patch (the unpatched tree: ``original``, else the in-place apply's journal)."""
     from .verify.runner import run_verify
 
-    if Path(path).is_dir():
+    unpatched = _unpatched(Path(path), original) if upstream_tests or original is not None else None  # bad input: before the run
+    if Path(path).is_dir() and not options.get("entries"):  # --entry names the decoders: the runner checks them
         require_decoder(path, options.get("exclude") or ())
-    return run_verify(Path(path), timeout=timeout, progress=progress, **options)
+    outcome = run_verify(Path(path), timeout=timeout, progress=progress, **options)
+    if unpatched is not None:
+        from .verify.upstream_tests import upstream_tests_row
+
+        outcome.result.setdefault("checks", []).append(upstream_tests_row(Path(path), unpatched, _steps_by_file, timeout, progress))
+    return outcome
+
+
+# ----------------------------------------------------------------------------- verify --upstream-tests
+def _unpatched(path: Path, original: str | Path | None):
+    """The tree ``verify --upstream-tests`` runs the tests on before the patch: ``--original``, else ``path`` with the
+    original bytes its latest in-place apply journalled. A tree written by ``apply --out`` has no journal: bad input."""
+    import base64
+    import json
+
+    from .engine import journal
+    from .verify.upstream_tests import Unpatched
+
+    if original is not None:
+        source = Path(original).expanduser().resolve()
+        if not source.is_dir():
+            raise VerifyError(f"--original {original} is not a directory")
+        if path.is_dir() and source == path.resolve():
+            raise VerifyError(f"--original {original} is the patched tree itself; give the unpatched one")
+        return Unpatched(source, None, str(source))
+    entry = journal.latest(path.resolve()) if path.is_dir() else None
+    if entry is None:
+        raise VerifyError(f"--upstream-tests: no in-place apply of {path} is on record (journals under {journal.home() / 'journals'}), "
+                          f"so its unpatched tree is unknown; for a tree written by `ddpatch apply SRC --out {path}`, pass --original SRC")
+    files = json.loads(entry.read_text())["files"]
+    bad = [f["path"] for f in files if Path(f["path"]).is_absolute() or ".." in Path(f["path"]).parts]
+    if bad:
+        raise VerifyError(f"--upstream-tests: the journal {entry} names a file outside the tree: {bad[0]!r}")
+    return Unpatched(path.resolve(), {f["path"]: None if f["original"] is None else base64.b64decode(f["original"]) for f in files},
+                     f"the in-place apply's journal {entry.name}")
+
+
+def _steps_by_file(before: Path, after: Path) -> dict[str, list[str]]:
+    """Per file the recipe rewrites in ``before``, the steps with a site there (``check``), narrowed to those the patched
+    file's provenance line names when it names any of them (an apply with --select/--ignore)."""
+    from .engine.files import read_provenance
+    from .results import APPLIED, PENDING
+
+    try:
+        report = check(before, jobs=1)
+    except INPUT_ERRORS:
+        return {}
+    out: dict[str, list[str]] = {}
+    for step in report.steps:
+        for site in step.sites:
+            if site.status in (APPLIED, PENDING) and step.spec.id not in out.setdefault(site.path, []):
+                out[site.path].append(step.spec.id)
+    for rel, steps in out.items():
+        named = read_provenance((after / rel).read_text(errors="replace")) if (after / rel).is_file() else set()
+        out[rel] = [s for s in steps if s in named] or steps
+    return out
 
 
 def require_decoder(path: str | Path, exclude: Iterable[str] = ()) -> None:
-    """Before a verifier starts: a tree with none of the default recipe's decoders is refused in the one line check gives."""
+    """Before a verifier starts: a tree with none of the default recipe's decoders, in which the verifier's own discovery
+    (``verify.decoders``: a loop that runs a model with a cache) finds none either, is refused in the one line check gives
+    (a serving engine named as such)."""
     from .engine.files import defined_functions
     from .engine.pipeline import discover
     from .engine.survey import NotADecoderTree, refuse, survey
+    from .verify import decoders
 
     recipe = load_recipe(DEFAULT_RECIPE)
     root = Path(path).resolve()
-    paths, _ = discover(root, recipe, tuple(exclude))
+    paths, _, _ = discover(root, recipe, exclude=tuple(exclude))
     texts, where = {}, {}
     for p in paths:
         try:
@@ -258,7 +323,7 @@ def require_decoder(path: str | Path, exclude: Iterable[str] = ()) -> None:
         for name in defined_functions(text):
             where.setdefault(name, rel)
     found = survey(texts, recipe, recipe.detect_upstream(set(where)), where)
-    if not found.decoders:
+    if not found.decoders and not decoders.plan(root, None, tuple(exclude))["decoders"]:
         try:
             refuse(found, recipe, root)
         except NotADecoderTree as exc:

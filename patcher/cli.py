@@ -189,7 +189,8 @@ def check(path, **options) -> None:
 
 
 verify_options = _options(
-    click.option("--preset", "presets", multiple=True, type=click.Choice(sorted(PRESETS)), help="Built-in tiny model (repeatable). Default: tiny-qwen3_5."),
+    click.option("--preset", "presets", multiple=True, type=click.Choice(sorted(PRESETS)),
+                 help="Built-in tiny model (repeatable). Default: tiny-qwen3_5 and the trained pair trained-qwen3_5."),
     click.option("--target", type=click.Path(path_type=Path), default=None, help="A local target model folder (from_pretrained, offline)."),
     click.option("--draft", type=click.Path(path_type=Path), default=None, help="A local draft model folder for the tree's DFlashDraftModel."),
     click.option("--scripted-draft", is_flag=True,
@@ -205,7 +206,12 @@ verify_options = _options(
     click.option("--prompts", type=click.IntRange(min=1), default=None, help="Prompts per seed (default 2)."),
     click.option("--max-new-tokens", type=click.IntRange(min=1), default=None, help="New tokens per prompt (default 32)."),
     click.option("--block-size", type=click.IntRange(min=2), default=None, help="Draft block size, >= 2 (default 4)."),
-    click.option("--tree-budgets", default=None, help="DDTree node budgets, comma-separated, each >= 1 (default 4,8)."),
+    click.option("--tree-budgets", default=None, help="DDTree node budgets, comma-separated, each >= 1 (default 4,8; the trained pair 8,16)."),
+    click.option("--entry", "entries", multiple=True, metavar="FILE:FUNCTION",
+                 help="Verify this decoder (repeatable; FUNCTION may be Class.method). Default: every decoder the tree holds."),
+    click.option("--greedy-only", is_flag=True, help="Skip the sampled pass a decoder that takes a temperature gets by default."),
+    click.option("--reviewed", multiple=True, type=click.Choice(["noise", "positions", "features"]),
+                 help="A drafter input the tree sets differently on purpose, reviewed: reported, not failed (repeatable)."),
     click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
                  help="Seconds before the verifier is stopped (> 0)."),
     click.option("--exclude", "exclude", multiple=True, metavar="GLOB",
@@ -213,12 +219,14 @@ verify_options = _options(
 )
 
 
-def _verify_options(presets, target, draft, scripted_draft, trust_remote_code, seeds, tree_budgets, exclude=(), **rest) -> dict:
+def _verify_options(presets, target, draft, scripted_draft, trust_remote_code, seeds, tree_budgets, entries=(), greedy_only=False,
+                    reviewed=(), exclude=(), **rest) -> dict:
     """``verify_options``' values as ``api.verify`` options (None: the verifier's default)."""
     return dict(presets=list(presets) or None, target=str(target) if target else None, draft=str(draft) if draft else None,
                 exclude=list(exclude) or None,
                 scripted_draft=scripted_draft or None, trust_remote_code=trust_remote_code or None,
-                seeds=_ints(seeds, 0, "--seeds"), tree_budgets=_ints(tree_budgets, 1, "--tree-budgets"), **rest)
+                seeds=_ints(seeds, 0, "--seeds"), tree_budgets=_ints(tree_budgets, 1, "--tree-budgets"),
+                entries=list(entries) or None, greedy_only=greedy_only or None, reviewed=list(reviewed) or None, **rest)
 
 
 def _verify_and_report(tree: Path, fmt: str, timeout: float, options: dict, html_file: Path | None = None) -> int:
@@ -279,19 +287,28 @@ generate_options = _options(
 @generate_options
 @click.option("--html", "html_file", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Also write an offline, self-contained HTML page: |Δlogit| per position against the tolerance, near-ties, acceptance.")
+@click.option("--upstream-tests", is_flag=True,
+              help="Also run the tree's own tests (pytest, on CPU, as installed and without torch) before and after the patch: "
+                   "a test that passed before and fails after is a finding that names the step.")
+@click.option("--original", type=click.Path(path_type=Path), default=None,
+              help="The unpatched tree, for --upstream-tests (which it implies): needed for a tree written by apply --out; an in-place "
+                   "apply's journal holds the original files.")
 @FORMAT
 @friendly
 def verify(path, timeout, temperature, top_p, top_k, sampling_runs, default_init, logit_tolerance, fmt, generate, modes, assistant,
            html_file, **verify_options) -> None:
     """Prove a patched tree decodes losslessly: speculative greedy output must equal the target's greedy.
 
-    Loads the tree's own dflash_generate / ddtree_generate / DFlashDraftModel in a child
-    process, warms up, runs a short benchmark (DFlash and DDTree at each tree budget)
-    and checks token identity, the logits the decoder used against one from-scratch
-    forward, the reference decoder's own consistency, acceptance lengths and speed. With
-    --temperature it decodes sampled and seeded, and adds a distributional test. Exit 0
-    only if every check passed; 1 if a check failed; 2 on bad input or a timeout; 3 if
-    the verifier itself crashed.
+    Finds every decoder the tree holds (a function that runs a model with a cache in a loop;
+    --entry picks them) and every drafter class it defines, loads them in a child process,
+    warms up, and runs a short benchmark of each decoder with each drafter class (a tree
+    decoder at each budget): by default on tiny-qwen3_5 with a scripted draft, greedy and
+    (for decoders that take a temperature) sampled, and on the shipped trained pair, whose
+    acceptance is judged against a correct tree's. It checks token identity, the logits the
+    decoder used against one from-scratch forward, that rounds accepted part of a block (else
+    inconclusive), the drafter's inputs, acceptance and speed. Exit 0 only if every check
+    passed; 1 if a check failed or was inconclusive; 2 on bad input or a timeout; 3 if the
+    verifier itself crashed.
 
     \b
     ddpatch verify patched/                          # tiny hybrid preset, CPU
@@ -305,6 +322,8 @@ def verify(path, timeout, temperature, top_p, top_k, sampling_runs, default_init
     options = _verify_options(**verify_options)
     if (top_p is not None or top_k is not None) and not temperature:
         raise Failure("--top-p and --top-k need --temperature > 0")
+    if generate and (options.get("upstream_tests") or options.get("original")):
+        raise Failure("--upstream-tests and --original judge a patched tree (PATH); --generate has none")
     if generate:
         sys.exit(_verify_generate(path, fmt, modes, assistant, options, temperature, top_p, top_k, sampling_runs))
     if path is None:

@@ -35,6 +35,9 @@ KEYS = {
     "presets": "a list of preset names (verify, ci --verify)",
     "format": '"text" or "json"',
     "allow-lossy": "true or false",
+    "entry": "a list of FILE:FUNCTION decoders for verify (default: every decoder found)",
+    "reviewed": "a list of drafter inputs whose deliberate difference was reviewed (verify): noise, positions, features",
+    "include-vendored": "true or false",
     "exclude": "a list of glob patterns: files and folders to leave out (check, diff, apply, verify)",
 }
 
@@ -83,7 +86,7 @@ def _validate(values: dict[str, Any], path: Path) -> dict[str, Any]:
             raise ConfigError(f"config {path}: unknown key {key!r}{guess}; known: {', '.join(KEYS)}")
         if key in ("select", "ignore"):
             value = _ids(key, value, path)
-        elif key == "presets":
+        elif key in ("presets", "entry", "reviewed"):
             value = _ids(key, value, path).split(",")
         elif key == "exclude":
             value = [value] if isinstance(value, str) else value
@@ -95,9 +98,9 @@ def _validate(values: dict[str, Any], path: Path) -> dict[str, Any]:
         elif key == "format":
             if value not in ("text", "json"):
                 raise ConfigError(f"config {path}: format must be {KEYS['format']}, got {value!r}")
-        elif key == "allow-lossy":
+        elif key in ("allow-lossy", "include-vendored"):
             if not isinstance(value, bool):
-                raise ConfigError(f"config {path}: allow-lossy must be {KEYS['allow-lossy']}, got {value!r}")
+                raise ConfigError(f"config {path}: {key} must be {KEYS[key]}, got {value!r}")
         elif not isinstance(value, str) or not value:
             raise ConfigError(f"config {path}: {key} must be {KEYS[key]}, got {value!r}")
         if key == "recipe" and value.endswith(".toml") and not Path(value).is_absolute():

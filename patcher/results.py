@@ -131,6 +131,25 @@ class StepResult:
 
 
 @dataclass
+class VendoredFolder:
+    """A folder of the tree that looks like a copy of a third-party package (``patcher.engine.vendored``)."""
+
+    path: str  # tree-relative
+    reason: str  # "named third_party", "has its own pyproject.toml", "holds rich-13.7.1.dist-info"
+    files: int  # Python files in it
+    #: What kept it in the run ("defines ddtree_generate in x.py"); None: left out, its files not parsed.
+    decoder: str | None = None
+
+    @property
+    def left_out(self) -> bool:
+        return self.decoder is None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "reason": self.reason, "files": self.files, "checked": not self.left_out,
+                "decoder": self.decoder}
+
+
+@dataclass
 class Report:
     recipe: Any  # patcher.engine.recipe.Recipe
     root: Path
@@ -138,6 +157,8 @@ class Report:
     files: list[FileResult]
     steps: list[StepResult]
     missing_anchors: list[str]
+    #: Folders that look vendored: those left out (not parsed) and those checked after all.
+    vendored: list[VendoredFolder] = field(default_factory=list)
     #: the files that hold a decoder (the tree survey), each with why
     decoders: dict[str, str] = field(default_factory=dict)
     #: what the run left out: the --exclude globs, and per file the glob (or reason) that left it out
@@ -183,6 +204,7 @@ class Report:
             "layout_detected": self.upstream is not None,
             "missing_anchors": self.missing_anchors,
             "decoders": self.decoders,
+            "vendored": [v.as_dict() for v in self.vendored],
             "exclude": list(self.exclude),
             "excluded": [{"path": p, "by": by} for p, by in self.excluded.items()],
             "unresolved_imports": [i.as_dict() for i in self.import_issues],

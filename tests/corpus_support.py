@@ -112,16 +112,16 @@ def recorded_vendored() -> dict[str, dict[str, int]]:
 
 def measure(package: str, sample_only: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"ddpatch-corpus-{package}-") as tmp:
-        sample = sites_per_file(run_recipe(RECIPE, sample_tree(package, Path(tmp))))
+        sample = sites_per_file(run_recipe(RECIPE, sample_tree(package, Path(tmp)), include_vendored=True))
     out = {"package": package, "release": installed_release(package),
            "written_by": "python3 tests/corpus_support.py --write", "sample": sample}
     if not sample_only:
-        out["package_sites"] = sites_per_kind(run_recipe(RECIPE, package_root(package), jobs=2))
+        out["package_sites"] = sites_per_kind(run_recipe(RECIPE, package_root(package), jobs=2, include_vendored=True))
     return out
 
 
 def measure_vendored() -> dict:
-    return {"written_by": "python3 tests/corpus_support.py --write", "sites": sites_per_file(run_recipe(RECIPE, VENDORED))}
+    return {"written_by": "python3 tests/corpus_support.py --write", "sites": sites_per_file(run_recipe(RECIPE, VENDORED, include_vendored=True))}
 
 
 def _text(data: dict) -> str:

@@ -103,7 +103,8 @@ def test_the_api_example_of_the_readme(tmp_path):
     again = api.check(tmp_path / "patched", jobs=1)
     assert {s.status for s in again.steps} <= {"already-applied", "fixed-upstream"} and not again.changed
     assert (tree / "ddtree.py").read_text() == (VENDORED / "ddtree" / "ddtree.py").read_text()  # the original is untouched
-    outcome = api.verify(tmp_path / "patched", presets=["tiny-qwen3_5"], seeds=[0], prompts=1, max_new_tokens=8, tree_budgets=[4])
+    outcome = api.verify(tmp_path / "patched", presets=["tiny-qwen3_5"], seeds=[0], prompts=2, max_new_tokens=24, tree_budgets=[4],
+                         greedy_only=True)
     assert outcome.passed, [c for c in outcome.checks if not c["passed"]]
     assert any(c["check"] == "runs without ddpatch" and c["passed"] for c in outcome.checks)
 

@@ -21,7 +21,7 @@ from patcher.verify.presets import build_target
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE_ONLY = "verify-forward,tree-commit,draft-sliding-window"
-SMALL = ("--prompts", "1", "--max-new-tokens", "24", "--tree-budgets", "4")
+SMALL = ("--prompts", "2", "--max-new-tokens", "24", "--tree-budgets", "4")
 
 
 def ddpatch(*args, cwd=ROOT, timeout=900):

@@ -85,13 +85,13 @@ SHAPES = {
 def corpus(request, tmp_path_factory):
     """(name, root, report): a whole package, its sample (``name`` ends in ``-sample``), or vendored/."""
     if request.param == "vendored":
-        return request.param, VENDORED, run_recipe(RECIPE, VENDORED)
+        return request.param, VENDORED, run_recipe(RECIPE, VENDORED, include_vendored=True)
     package, _, sample = request.param.partition("-")
     if sample:
         root = sample_tree(package, tmp_path_factory.mktemp(request.param))
-        return request.param, root, run_recipe(RECIPE, root)
+        return request.param, root, run_recipe(RECIPE, root, include_vendored=True)
     root = package_root(package)
-    return request.param, root, run_recipe(RECIPE, root, jobs=2)
+    return request.param, root, run_recipe(RECIPE, root, jobs=2, include_vendored=True)
 
 
 def _parse(text: str) -> ast.Module | None:
@@ -220,7 +220,7 @@ def test_prefilters_lose_no_site(corpus):
     """On a sample of files a prefilter turned a step away from, the step finds nothing there."""
     _name, root, _report = corpus
     rng = random.Random(0)
-    paths = discover(root, RECIPE)[0]
+    paths = discover(root, RECIPE, include_vendored=True)[0]
     rng.shuffle(paths)
     by_ast, by_text = [], []
     for path in paths:

@@ -124,6 +124,37 @@ def test_window_edge_is_exact(draft_cls, impl):
     assert torch.all(moved[1:] < 1e-5), "later queries are further than the window from it"
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_a_config_built_draft_cache_is_windowed_like_a_bare_one(draft_cls, impl):
+    """A draft cache built from the drafter's config (DFlash's newest ``_make_cache(model.config)``) has sliding
+    layers that keep ``window - 1`` keys and hand attention those plus the new ones: that trims, it does not
+    window a query of several tokens. ``draft_forward`` masks exactly the keys such a layer holds, so round
+    after round past the window the draft equals the same draft over a bare cache."""
+    from transformers import DynamicCache
+
+    from patcher.runtime import record_past
+
+    draft = make_draft(draft_cls, impl)
+    bare, built = DynamicCache(), DynamicCache(config=draft.config)
+    record_past(built)
+    width = len(draft.target_layer_ids) * draft.config.hidden_size
+    gen = torch.Generator().manual_seed(2)
+    draft_from, start, trimmed = 0, 6, False
+    with torch.inference_mode():
+        for accepted in (1, 4, 2, 3, 4, 1):
+            context = torch.randn(1, start - draft_from, width, generator=gen)
+            noise = torch.randn(1, BLOCK, draft.config.hidden_size, generator=gen)
+            kw = dict(target_hidden=context, noise_embedding=noise, position_ids=torch.arange(draft_from, start + BLOCK)[None], use_cache=True)
+            trimmed |= built.get_seq_length() > WINDOW - 1
+            want = draft_forward(draft, past_key_values=bare, **kw)
+            got = draft_forward(draft, past_key_values=built, **kw)
+            assert torch.allclose(got, want, atol=1e-5), f"round at {start}: a sliding cache layer's keys are masked wrongly"
+            bare.crop(-BLOCK)
+            built.crop(-BLOCK)
+            draft_from, start = start, start + accepted
+    assert built.layers[0].is_sliding and trimmed, "the sliding layer never held a full window: the test cannot fail"
+
+
 # ---------------------------------------------------------------- drafters that mask themselves (issue 22)
 
 

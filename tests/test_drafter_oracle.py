@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ("tiny-qwen3_5", "tiny-qwen3_5-vlm")
-QUICK = ("--seeds", "0", "--prompts", "1", "--max-new-tokens", "12", "--tree-budgets", "4")
+QUICK = ("--seeds", "0", "--prompts", "2", "--max-new-tokens", "24", "--tree-budgets", "4", "--greedy-only")
 METHODS = ("dflash", "ddtree_tb4")
 
 
@@ -195,7 +195,7 @@ def test_a_drafter_it_cannot_bind_is_a_visible_skip_not_a_pass(full, tmp_path):
 
 def test_the_verdict_names_the_first_round_every_field_and_a_hint():
     from patcher.verify.checks import drafter_check as method_check
-    from patcher.verify.drafter_oracle import DrafterVerdict
+    from patcher.verify.drafter_verdict import DrafterVerdict
 
     verdict = DrafterVerdict(rounds=3, failures=[(1, "features", "max |Δ| 4.0e-02"), (1, "output", "max |Δ| 1.1e+00"), (2, "output", "x")])
     text = verdict.describe()

@@ -73,7 +73,9 @@ def test_the_folders_load_through_the_target_draft_path():
     config = json.loads((DRAFT / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 8
     cfg = {"target": str(TARGET), "draft": str(DRAFT), "dtype": "float32", "block_size": 8}
-    target, draft, mask = models.load_real(cfg, draft_class())
+    target, drafts, mask, notes = models.load_real(cfg, {"DFlashDraftModel": draft_class()}, "DFlashDraftModel")
+    draft = drafts["DFlashDraftModel"]
+    assert not notes
     models.check_fit(target, draft)
     tc = target.config.get_text_config(decoder=True)
     assert type(target).__name__ == "Qwen3_5ForCausalLM" and target._ddpatch_loaded["auto_class"] == "AutoModelForCausalLM"
@@ -102,16 +104,13 @@ def test_the_preset_is_the_folder_path_unscripted():
     assert trained.folder_preset_options({"presets": ["trained-qwen3_5"], "block_size": 4})["block_size"] == 4
     # --scripted-draft with the pair scripts its drafter's proposals (the --target/--draft path); never dropped silently
     assert trained.folder_preset_options({"presets": ["trained-qwen3_5"], "scripted_draft": True})["scripted_draft"] is True
-    untouched = {"presets": ["tiny-qwen3_5"]}
-    assert trained.folder_preset_options(untouched) is untouched
-    for bad in ({"presets": ["trained-qwen3_5", "tiny-qwen3_5"]}, {"presets": ["trained-qwen3_5"], "target": "/x"}):
+    for untouched in ({"presets": ["tiny-qwen3_5"]}, {"presets": ["trained-qwen3_5", "tiny-qwen3_5"]}):
+        assert trained.folder_preset_options(untouched) is untouched  # beside another preset it runs as a pair
+    for bad in ({"presets": ["trained-qwen3_5"], "target": "/x"}, {"presets": ["trained-qwen3_5", "tiny-qwen3_5"], "draft": "/x"}):
         with pytest.raises(ValueError):
             trained.folder_preset_options(bad)
-
-
-def test_with_another_preset_it_is_a_usage_error(tree):
-    with pytest.raises(api.VerifyError, match="alone"):
-        api.verify(tree, presets=["trained-qwen3_5", "tiny-qwen3_5"], **QUICK)
+    pair = trained.pair_options("trained-qwen3_5", {"prompts": 2, "tree_budgets": None})
+    assert pair["target"] == str(TARGET) and pair["prompts"] == 2 and pair["tree_budgets"] == [8, 16] and pair["block_size"] == 8
 
 
 # ----------------------------------------------------------------------------- the drafter drafts

@@ -8,8 +8,10 @@ session's where there is one, run without it to compare, and start their own to 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -221,3 +223,169 @@ def test_a_refusal_names_another_checkout_another_python_or_an_import_time_varia
     assert "another Python (/usr/bin/python9)" in warm.refusal({**same, "executable": "/usr/bin/python9"}, started, "/w/worker.py")
     why = warm.refusal({**same, "env": {"OMP_NUM_THREADS": "2", "PYTORCH_X": "1"}}, started, "/w/worker.py")
     assert why.endswith("differ: OMP_NUM_THREADS, PYTORCH_X"), why
+
+
+# ----------------------------------------------------------------------------- a killed run leaves nothing running
+#: A run that holds a warm verifier (as `ddpatch ci --verify` and each test worker do): it prints the
+#: server's socket once the server serves, then (argv[1]) a verify in flight, or (argv[2]) a forked copy
+#: of itself that keeps the server's stdin pipe open, so that only the parent-death signal can tell.
+HOLDER = r"""
+import json, os, socket, sys, threading, time
+from pathlib import Path
+from patcher.verify import runner
+
+def say(**kw):
+    print(json.dumps(kw), flush=True)
+
+spawn = runner._ForkedChild.__init__
+def spy(self, pid, fd):
+    say(child=pid)
+    spawn(self, pid, fd)
+runner._ForkedChild.__init__ = spy
+
+with runner.warm_verifier() as path:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:  # answered once it serves
+        conn.connect(path); conn.send(b"{}"); conn.recv(1 << 16)
+    say(socket=path)
+    if sys.argv[1]:
+        threading.Thread(target=runner.run_verify, args=(Path(sys.argv[1]),), kwargs=dict(timeout=600, **json.loads(sys.argv[3])), daemon=True).start()
+    if sys.argv[2] and (sleeper := os.fork()) == 0:
+        time.sleep(120); os._exit(0)
+    if sys.argv[2]:
+        say(sleeper=sleeper)
+    time.sleep(600)
+"""
+
+
+def _hold(tree: Path | None = None, keep_pipe: bool = False) -> tuple[subprocess.Popen, dict]:
+    env = {k: v for k, v in os.environ.items() if k != runner.WARM_ENV}
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(tree or ""), "1" if keep_pipe else "", json.dumps(SETTINGS)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    said: dict = {}
+    wanted = {"socket"} | ({"child"} if tree else set()) | ({"sleeper"} if keep_pipe else set())
+    try:
+        while not wanted <= set(said):
+            line = proc.stdout.readline()
+            assert line, f"the holder exited ({proc.wait()}) before it said {sorted(wanted - set(said))}"
+            said.update(json.loads(line))
+        said["server"] = _server_of(said["socket"], proc.pid)
+    except BaseException:
+        proc.kill()  # its server and children follow it: the mechanism under test
+        proc.wait()
+        raise
+    return proc, said
+
+
+def _server_of(path: str, parent: int) -> int:
+    """The server the run ``parent`` started (its forked children have the same command line)."""
+    (server,) = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid).endswith(f"--serve {path}")
+                 and _stat(pid)[1] == str(parent)]
+    return server
+
+
+def _stat(pid: str) -> list[str]:
+    """State, ppid, pgrp, ... of ``/proc/PID/stat`` ([] once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return []
+
+
+def _gone_within(seconds: float, *groups: int) -> list[int]:
+    """The process groups among ``groups`` still alive after ``seconds`` (each server and child leads one)."""
+    deadline = time.monotonic() + seconds
+    while (alive := [g for g in groups if _group_alive(g)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_run_leaves_neither_the_warm_verifier_nor_its_verify_running(tmp_path):
+    """SIGKILL a run while a forked verify runs (a tree that sleeps at import): within seconds neither the
+    server nor the child's process group is left (each was about 345 MB, with parent 1, for hours)."""
+    slow = _patched(tmp_path / "slow")
+    (slow / "ddtree.py").write_text("import time; time.sleep(600)\n" + (slow / "ddtree.py").read_text())
+    proc, said = _hold(tree=slow)
+    try:
+        assert _group_alive(said["server"]) and _group_alive(said["child"])
+        proc.kill()
+        proc.wait()
+        alive = _gone_within(10, said["server"], said["child"])
+        assert not alive, f"left running after the run was killed: {[_describe(p) for p in alive]}"
+        folder = os.path.dirname(said["socket"])
+        assert not os.path.exists(folder), f"the server left its private folder behind: {os.listdir(folder)}"
+    finally:
+        _kill_groups(proc, said["server"], said["child"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's; reads /proc")
+def test_the_parent_death_signal_ends_a_server_whose_pipe_is_still_open():
+    """The run is SIGKILLed, and a process it forked still holds the write end of the server's stdin
+    (no EOF comes): the kernel's parent-death signal alone must end the server."""
+    proc, said = _hold(keep_pipe=True)
+    try:
+        proc.kill()
+        proc.wait()
+        alive = _gone_within(10, said["server"])
+        assert not alive, f"the server outlived its parent: {_describe(said['server'])}"
+    finally:
+        _kill_groups(proc, said["server"])
+        _kill(said["sleeper"])
+
+
+def test_the_server_exits_when_its_pipe_closes_and_when_idle(tmp_path):
+    """Closing the server's stdin (what the kernel does for a killed parent on any OS) ends it at once;
+    with ``DDPATCH_WARM_IDLE`` it also ends on its own after that many seconds without a request."""
+    import socket
+
+    from patcher.verify import warm
+
+    servers = {}
+    for name, idle in (("pipe", "0"), ("idle", "1")):
+        folder = tmp_path / name
+        folder.mkdir()
+        env = {**runner.child_env(), warm.IDLE_ENV: idle}
+        servers[name] = (subprocess.Popen([sys.executable, str(runner.WORKER), "--serve", str(folder / "s")], stdin=subprocess.PIPE,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=folder, env=env, start_new_session=True),
+                         str(folder / "s"))
+    try:
+        for proc, path in servers.values():  # both serve (their imports are done): ask a bad question, get an answer
+            while not os.path.exists(path):
+                assert proc.poll() is None, "the server exited before it bound its socket"
+                time.sleep(0.05)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+                conn.settimeout(300)
+                conn.connect(path)
+                conn.send(b"{}")
+                assert json.loads(conn.recv(1 << 16)) == {"refused": "no pipe attached"}
+        pipe, idle = servers["pipe"][0], servers["idle"][0]
+        pipe.stdin.close()
+        assert pipe.wait(timeout=10) == 0, "the server outlived the close of its stdin pipe"
+        assert idle.wait(timeout=30) == 0 and idle.stdin.closed is False, "DDPATCH_WARM_IDLE=1 did not end an idle server"
+        assert not os.path.exists(servers["idle"][1]), "the idle server left its socket behind"
+        assert warm.idle_seconds({}) == warm.IDLE_DEFAULT and warm.idle_seconds({warm.IDLE_ENV: "0"}) is None
+    finally:
+        for proc, _ in servers.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _kill_groups(proc: subprocess.Popen, *groups: int) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass

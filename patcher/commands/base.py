@@ -144,6 +144,9 @@ recipe_options = options(
                  help="Leave these files or folders out (repeatable): a name anywhere (analysis, profile_*.py) or a path from "
                       "the tree's root (scripts/old/). The report lists what was left out."),
     click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel worker processes, >= 1 (default: number of CPUs)."),
+    click.option("--include-vendored", is_flag=True,
+                 help="Also check folders that look like copies of third-party packages (third_party/, vendor/, a folder with its "
+                      "own pyproject.toml, ...); by default they are listed and not parsed, unless they hold a decoder."),
     click.option("-v", "--verbose", is_flag=True, help="List every site."),
     click.option("--output-format", type=click.Choice(["full", "concise"]), default="full", show_default=True,
                  help="With text output: concise prints one `path:line:col: step status message` line per site."),
@@ -153,7 +156,8 @@ recipe_options = options(
 
 #: CLI parameter -> config key, for the settings a config file may give.
 _CONFIGURABLE = {"recipe_name": "recipe", "select": "select", "ignore": "ignore", "upstream": "upstream", "jobs": "jobs",
-                 "fmt": "format", "allow_lossy": "allow-lossy", "presets": "presets", "exclude": "exclude"}
+                 "fmt": "format", "allow_lossy": "allow-lossy", "presets": "presets", "entries": "entry", "reviewed": "reviewed",
+                 "include_vendored": "include-vendored", "exclude": "exclude"}
 
 
 def configured(path, options: dict) -> dict:
@@ -166,7 +170,7 @@ def configured(path, options: dict) -> dict:
     config = load_config(path, options.pop("config_file", None), options.pop("isolated", False))
     for param, key in _CONFIGURABLE.items():
         if param in options and key in config.values and ctx.get_parameter_source(param) in (ParameterSource.DEFAULT, None):
-            options[param] = tuple(config.values[key]) if param in ("presets", "exclude") else config.values[key]
+            options[param] = tuple(config.values[key]) if param in ("presets", "entries", "reviewed", "exclude") else config.values[key]
     if options.get("fmt") == "json":
         _JSON_BY_CONFIG.append(True)
     if "recipe_name" in options and not options["recipe_name"]:

@@ -87,43 +87,51 @@ class _CallGraph:
     def __init__(self, where: dict[str, list[str]], texts: dict[str, str]) -> None:
         self.where = where
         self.texts = texts
-        self._trees: dict[str, ast.Module | None] = {}
+        self._files: dict[str, dict[str, set[str]]] = {}
         self._calls: dict[str, set[str]] = {}
 
-    def _tree(self, path: str):
-        if path not in self._trees:
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    self._trees[path] = ast.parse(self.texts.get(path) or "")
-            except (SyntaxError, ValueError, RecursionError):
-                self._trees[path] = None
-        return self._trees[path]
+    def _index(self, path: str) -> dict[str, set[str]]:
+        """Per function name defined in ``path`` (methods and nested functions too), the names it calls.
+
+        Each file is parsed and walked once, on the first call that needs it: a name such as
+        ``update`` or ``__init__`` is defined in hundreds of files of a large tree.
+        """
+        if path in self._files:
+            return self._files[path]
+        index: dict[str, set[str]] = {}
+        self._files[path] = index
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tree = ast.parse(self.texts.get(path) or "")
+        except (SyntaxError, ValueError, RecursionError):
+            return index
+        functions, modules = [], set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                functions.append(node)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules.update(a.asname or a.name for a in node.names)
+        for fn in functions:
+            out = index.setdefault(fn.name, set())
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call):
+                    func = node.func
+                    if isinstance(func, ast.Name):
+                        out.add(func.id)
+                    elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+                        if func.value.id in ("self", "cls") or func.value.id in modules:
+                            out.add(func.attr)
+                elif node is not fn and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    out.add(node.name)  # nested functions belong to it
+        return index
 
     def calls(self, name: str) -> set[str]:
         if name in self._calls:
             return self._calls[name]
         out: set[str] = set()
         for path in self.where.get(name, ()):
-            tree = self._tree(path)
-            if tree is None:
-                continue
-            modules = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-            modules |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
-                    for call in ast.walk(node):
-                        if not isinstance(call, ast.Call):
-                            continue
-                        func = call.func
-                        if isinstance(func, ast.Name):
-                            out.add(func.id)
-                        elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
-                            if func.value.id in ("self", "cls") or func.value.id in modules:
-                                out.add(func.attr)
-                    for inner in ast.walk(node):  # nested functions belong to it
-                        if inner is not node and isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                            out.add(inner.name)
+            out |= self._index(path).get(name, set())
         self._calls[name] = {c for c in out if c in self.where and c != name}
         return self._calls[name]
 

@@ -32,6 +32,35 @@ def read_source(path: Path) -> str:
     return decode_source(path.read_bytes())[0]
 
 
+def read_file(base: Path, path: Path) -> tuple[FileResult, str]:
+    """A file's result before any step runs (its text, encoding and functions, or why it cannot be
+    read), and its text as the tree-wide scans read it (leniently, for a file that cannot be decoded)."""
+    rel = path.relative_to(base).as_posix() if path != base else path.name
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return FileResult(rel, None, error=f"cannot read: {exc}"), ""
+    try:
+        text, encoding = decode_source(data)
+    except ValueError as exc:
+        return FileResult(rel, None, error=f"cannot read: {exc}"), data.decode("utf-8", errors="replace")
+    return FileResult(rel, text, functions=defined_functions(text), encoding=encoding), text
+
+
+def not_regular(path: Path) -> str | None:
+    """What ``path`` is when it is not a regular file (a FIFO, a socket, a device), else None."""
+    import stat
+
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None  # gone, or unreadable: reading it reports why
+    if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+        return None
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file")
+
+
 def decode_source(data: bytes) -> tuple[str, str]:
     """The text of a Python file and its encoding, as Python reads it (PEP 263).
 

@@ -2,6 +2,10 @@
 
     discover files -> cheap prefilter (text, then stdlib ast) -> parse once -> run the recipe's steps -> classify -> render or write
 
+Discovery leaves out folders that look like copies of third-party packages (``vendored``);
+each file is read once; the text prefilter (``prefilter``) runs in this process, and only the
+files it lets through go on (to ``--jobs`` worker processes when there are enough of them).
+
 Each stage is a plain function. ``run_recipe`` strings them together and returns a
 ``Report`` (``patcher.results``): per step and per anchor a status (applied /
 already-applied / fixed-upstream / no-match) with the sites that justify it, per file the
@@ -10,28 +14,28 @@ new text. Nothing is written here; ``write.write_report`` does that, atomically.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import fnmatch
 import hashlib
 import json
 import os
 import re
-import warnings
 from collections import OrderedDict
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterable
 
 from ..errors import EngineError
-from ..results import ALREADY_APPLIED, APPLIED, FIXED_UPSTREAM, UNCLASSIFIED, FileResult, Report, Site
+from ..results import ALREADY_APPLIED, APPLIED, FIXED_UPSTREAM, UNCLASSIFIED, FileResult, Report, Site, VendoredFolder
 from .classify import classify, mark_skipped
 from .codemods import CODEMODS
-from .codemods.base import IN_PACKAGE, PATCHED, Step, place, site_positions
-from .files import add_runtime_files, decode_source, defined_functions, read_provenance, write_provenance
+from .codemods.base import IN_PACKAGE, PATCHED, place, site_positions
+from .files import add_runtime_files, defined_functions, not_regular, read_file, read_provenance, write_provenance
+from .prefilter import prefilter, prefilter_tree  # noqa: F401  (stage 2; tests import them from here)
 from .recipe import Recipe, StepSpec
 from .survey import leave_out_engines, reached_by_decoders, refuse, suggest_excludes
 from .survey import survey as survey_tree
+from .vendored import DecoderSignals, settle, vendored_reason
 
 SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".tox", ".mypy_cache", ".pytest_cache", "node_modules"}
 
@@ -66,22 +70,38 @@ def exclude_globs(pattern: str) -> list[str]:
     return [pattern, f"{pattern}/**"]
 
 
-def discover(root: Path, recipe: Recipe, exclude: Iterable[str] = (), excluded: dict[str, str] | None = None
-             ) -> tuple[list[Path], list[FileResult]]:
-    """Python files under ``root`` that the recipe covers, and the entries skipped on the way.
+def discover(root: Path, recipe: Recipe, include_vendored: bool = False, exclude: Iterable[str] = (),
+             excluded: dict[str, str] | None = None) -> tuple[list[Path], list[FileResult], list[VendoredFolder]]:
+    """Python files under ``root`` that the recipe covers, the entries skipped on the way, and the folders
+    that look vendored (``patcher.engine.vendored``).
 
     Symlinks are never followed: one to a file in the tree is left to that file, one out of
-    the tree is reported. Build and VCS folders are skipped. ``exclude`` (``--exclude`` patterns)
-    leaves files out too; each is recorded in ``excluded`` with the pattern that left it out.
+    the tree is reported. Build and VCS folders are skipped. Unless ``include_vendored``, the
+    files of a folder that looks like a copy of a third-party package are left out, unless one
+    of them shows a decoder signal of the recipe (the folder is then listed as checked).
+    ``exclude`` (``--exclude`` patterns) leaves files out too; each is recorded in ``excluded``
+    with the pattern that left it out.
     """
     globs = {p: exclude_globs(p) for p in exclude}
     root = root.resolve()
     if root.is_file():
-        return [root], []
+        return [root], [], []
+    walked: list[Path] = []  # every file taken, in os.walk's order
     found: list[Path] = []
     skipped: list[FileResult] = []
+    owner: dict[str, str | None] = {}  # folder (relative) -> the vendored-looking folder it lies in
+    candidates: dict[str, tuple[str, list[Path], list[FileResult]]] = {}
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info"))
+        here = Path(dirpath).relative_to(root).as_posix()
+        within = owner.get(here.rpartition("/")[0] if "/" in here else ".") if here != "." else None
+        if within is None and here != "." and not include_vendored:
+            reason = vendored_reason(Path(dirpath).name, dirnames, filenames)
+            if reason:
+                within = here
+                candidates[here] = (reason, [], [])
+        owner[here] = within
+        files, skips = (candidates[within][1], candidates[within][2]) if within else (found, skipped)
         for name in sorted(filenames):
             path = Path(dirpath, name)
             rel = path.relative_to(root).as_posix()
@@ -94,59 +114,23 @@ def discover(root: Path, recipe: Recipe, exclude: Iterable[str] = (), excluded: 
                 continue
             if path.is_symlink():
                 if not path.resolve().is_relative_to(root):
-                    skipped.append(FileResult(rel, None, error="symlink points outside the tree; not followed"))
+                    skips.append(FileResult(rel, None, error="symlink points outside the tree; not followed"))
                 continue  # writing through a link would replace it with a file
-            kind = _not_regular(path)
+            kind = not_regular(path)
             if kind:  # reading a FIFO would wait forever for a writer
-                skipped.append(FileResult(rel, None, error=f"not a regular file ({kind}); not read"))
+                skips.append(FileResult(rel, None, error=f"not a regular file ({kind}); not read"))
                 continue
-            found.append(path)
-    return found, skipped
-
-
-def _not_regular(path: Path) -> str | None:
-    """What ``path`` is when it is not a regular file (a FIFO, a socket, a device), else None."""
-    import stat
-
-    try:
-        mode = os.lstat(path).st_mode
-    except OSError:
-        return None  # gone, or unreadable: reading it reports why
-    if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
-        return None
-    return ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
-            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file")
-
-
-# ----------------------------------------------------------------------------- stage 2: prefilter
-_PATTERNS: dict[str, re.Pattern] = {}
-
-
-def prefilter(text: str, steps: Iterable[tuple[StepSpec, type]]) -> list[tuple[StepSpec, type]]:
-    """The steps whose trigger patterns all match ``text``; a file no step wants is never parsed."""
-    out = []
-    for spec, cls in steps:
-        patterns = [_PATTERNS.setdefault(t, re.compile(t)) for t in cls.triggers({**cls.PARAMS, **spec.params})]
-        if all(p.search(text) for p in patterns):
-            out.append((spec, cls))
-    return out
-
-
-def prefilter_tree(text: str, steps: list[tuple[StepSpec, type]]) -> list[tuple[StepSpec, type]]:
-    """Of ``steps``, those whose ``may_match`` holds on the file's stdlib ``ast``.
-
-    The text is parsed by ``ast`` only if one of the steps checks a tree; a file ``ast``
-    cannot parse keeps its steps, so that LibCST reports the error.
-    """
-    if not any(cls.may_match.__func__ is not Step.may_match.__func__ for _, cls in steps):
-        return steps
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # SyntaxWarnings of upstream code are not ours to print
-            tree = ast.parse(text)
-    except (SyntaxError, ValueError, RecursionError):
-        return steps
-    return [(spec, cls) for spec, cls in steps if cls.may_match(tree, {**cls.PARAMS, **spec.params})]
+            files.append(path)
+            walked.append(path)
+    if not candidates:
+        return found, skipped, []
+    kept, vendored = settle(root, {rel: (reason, paths) for rel, (reason, paths, _) in candidates.items()},
+                            DecoderSignals(recipe, CODEMODS))
+    if kept:
+        taken = set(found + kept)
+        found = [p for p in walked if p in taken]
+        skipped += [f for v in vendored if not v.left_out for f in candidates[v.path][2]]
+    return found, skipped, vendored
 
 
 # ----------------------------------------------------------------------------- stage 3+4: parse and transform
@@ -307,45 +291,72 @@ def insert_imports(module, items):
 
 
 def process_file(root: Path, path: Path, steps: list[tuple[StepSpec, type]], recipe: Recipe) -> FileResult:
+    """One file through stages 2 to 4: read, prefilter, parse and run ``steps``."""
+    result, _ = read_file(root, path)
+    active = prefilter(result.original, steps) if result.error is None else []
+    if active:
+        merge(result, parse_file(result.original, active, (path.parent / "__init__.py").exists(), recipe))
+    return result
+
+
+def parse_file(text: str, steps: list[tuple[StepSpec, type]], in_package: bool, recipe: Recipe) -> tuple:
+    """Stages 3b and 4 for a file the text prefilter let through: ``analyse``, then ``conclude``."""
+    return conclude(text, analyse(text, steps, in_package), recipe)
+
+
+def analyse(text: str, steps: list[tuple[StepSpec, type]], in_package: bool) -> tuple:
+    """The ``ast`` prefilter, then one LibCST parse and pass (``transform_source``); what worker processes run.
+
+    Returns (the indices in ``steps`` of the steps the ``ast`` prefilter kept, the new text or
+    None when unchanged, the sites, whether the runtime is used, an error or None).
+    """
     import libcst as cst
 
-    rel = path.relative_to(root).as_posix() if path != root else path.name
-    try:
-        text, encoding = decode_source(path.read_bytes())
-    except (OSError, ValueError) as exc:
-        return FileResult(rel, None, error=f"cannot read: {exc}")
-    result = FileResult(rel, text, functions=defined_functions(text), encoding=encoding)
-    active = prefilter_tree(text, prefilter(text, steps))
+    active = prefilter_tree(text, steps)
+    kept = [i for i, (spec, _cls) in enumerate(steps) if any(spec is a for a, _ in active)]
     if not active:
-        return result
-    in_package = (path.parent / "__init__.py").exists()
+        return kept, None, [], False, None
     try:
-        new, sites, result.needs_runtime = transform_source(text, active, in_package)
+        new, sites, needs_runtime = transform_source(text, active, in_package)
     except (cst.ParserSyntaxError, RecursionError) as exc:
-        result.error = f"cannot parse: {_one_line(exc)}"
-        return result
+        return kept, None, [], False, f"cannot parse: {_one_line(exc)}"
     except Exception as exc:  # a bug in a step: this file is skipped, the rest of the run goes on
-        result.error = f"internal error (please report it): {_one_line(exc)}"
-        return result
+        return kept, None, [], False, f"internal error (please report it): {_one_line(exc)}"
+    return kept, None if new == text else new, sites, needs_runtime, None
+
+
+def conclude(text: str, analysed: tuple, recipe: Recipe) -> tuple:
+    """From ``analyse``'s result: (patched text with its provenance line, or None; the sites, ``patched``
+    relabelled already-applied or fixed-upstream by the provenance; whether the runtime is used; error)."""
+    _kept, new, sites, needs_runtime, error = analysed
+    if error:
+        return None, [], False, error
     recorded = read_provenance(text)
-    result.notes = [site for site in sites if site.status == UNCLASSIFIED]  # said in the report, never a status
-    sites = [site for site in sites if site.status != UNCLASSIFIED]
-    for site in result.notes:
-        site.path = rel
     for site in sites:
-        site.path = rel
         if site.status == PATCHED:
             site.status = ALREADY_APPLIED if site.step in recorded else FIXED_UPSTREAM
             if site.status == FIXED_UPSTREAM:
                 site.message += " (not written by ddpatch)"
-    result.sites = sites
     applied = {s.step for s in sites if s.status == APPLIED}
-    if applied:
-        result.patched = write_provenance(new, recorded | applied, recipe)
+    patched = write_provenance(text if new is None else new, recorded | applied, recipe) if applied else None
+    return patched, sites, needs_runtime, None
+
+
+def merge(result: FileResult, parsed: tuple) -> FileResult:
+    """``result`` with what ``parse_file`` found in its text."""
+    result.patched, sites, result.needs_runtime, error = parsed
+    if error:
+        result.error = error
+        return result
+    for site in sites:
+        site.path = result.path
+    result.notes = [site for site in sites if site.status == UNCLASSIFIED]  # said in the report, never a status
+    result.sites = [site for site in sites if site.status != UNCLASSIFIED]
+    if result.patched is not None:
         try:
             result.encoded()
         except UnicodeEncodeError as exc:
-            result.patched, result.error = None, f"cannot write: the patched text is not {encoding} ({exc.reason})"
+            result.patched, result.error = None, f"cannot write: the patched text is not {result.encoding} ({exc.reason})"
     return result
 
 
@@ -356,52 +367,50 @@ def _one_line(exc: BaseException) -> str:
 
 # ----------------------------------------------------------------------------- the pipeline
 def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: int = 1, progress=None,
-               exclude: Iterable[str] = (), survey: str | None = None) -> Report:
+               exclude: Iterable[str] = (), survey: str | None = None, include_vendored: bool = False) -> Report:
     """The whole pipeline; ``progress(done, total)`` is called as files are processed.
 
     ``exclude``: ``--exclude`` patterns. ``survey``: say what the tree is before any step runs
     (``survey.py``): ``"require"`` stops a tree with none of the recipe's decoders (one line, exit 2),
     ``"report"`` only reports; None (``ci``, the corpus) runs the steps on anything.
+    ``include_vendored``: also check the folders that look like copies of third-party packages
+    (``patcher.engine.vendored``); by default they are listed in the report and not parsed.
     """
     root = Path(root)
     if not root.exists():
         raise EngineError(f"path does not exist: {root}")
     root = root.resolve()
     base = root if root.is_dir() else root.parent
-    if not root.is_dir() and _not_regular(root):
-        raise EngineError(f"not a regular file or folder ({_not_regular(root)}): {root}; pass the checkout's root folder")
+    if not root.is_dir() and not_regular(root):
+        raise EngineError(f"not a regular file or folder ({not_regular(root)}): {root}; pass the checkout's root folder")
     if root.is_file() and not covers(recipe, root.name):
         raise EngineError(f"not a Python file: {root}; pass the checkout's root folder (or a .py file)")
     if root.is_dir() and not any(root.iterdir()):
         raise EngineError(f"empty directory: {root}")
     excluded: dict[str, str] = {}
     exclude = tuple(exclude)
-    paths, skipped = discover(root, recipe, exclude, excluded)
-    if not paths and not skipped and excluded:
+    paths, skipped, vendored = discover(root, recipe, include_vendored, exclude, excluded)
+    if not paths and not skipped and not vendored and excluded:
         raise EngineError(f"every Python file under {root} is left out by --exclude {' '.join(exclude)}")
-    if not paths and not skipped:
+    if not paths and not skipped and not vendored:
         raise EngineError(f"no Python files matching {', '.join(recipe.include)} under {root}")
     if upstream is not None and upstream not in recipe.upstreams:
         raise EngineError(f"unknown upstream {upstream!r} for recipe {recipe.name}; known: {', '.join(recipe.upstreams)}")
+    read = [read_file(base, path) for path in paths]  # each file is read once
     defined = set()
     scans = [re.compile(cls.TREE_TRIGGER) for cls in CODEMODS.values() if cls.TREE_TRIGGER]
     scanned: dict[str, str] = {}  # texts some step's tree scan wants
     texts: dict[str, str] = {}  # every text, for the survey
     where: dict[str, str] = {}  # function -> a file defining it
-    for path in paths:
-        try:
-            text = path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            continue
-        rel = path.relative_to(base).as_posix() if path != base else path.name
-        functions = defined_functions(text)
+    for result, text in read:
+        functions = result.functions if result.error is None else defined_functions(text)
         defined.update(functions)
         if survey:
-            texts[rel] = text
+            texts[result.path] = text
             for name in functions:
-                where.setdefault(name, rel)
+                where.setdefault(name, result.path)
         if any(p.search(text) for p in scans):
-            scanned[rel] = text
+            scanned[result.path] = text
     forced = upstream is not None
     if upstream is None:
         upstream = recipe.detect_upstream(defined)
@@ -410,14 +419,16 @@ def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: in
         if survey == "require" and not forced:
             refuse(found, recipe, root)
     elif found is not None and found.engine_folders:  # a decoder beside an engine's package: the engine is not patched
-        paths = leave_out_engines(found, paths, base, excluded, scanned)
+        kept = set(leave_out_engines(found, paths, base, excluded, scanned))
+        read = [(result, text) for (result, text), path in zip(read, paths) if path in kept]
+        paths = [path for path in paths if path in kept]
     specs = [(tree_scan(spec, CODEMODS[spec.codemod], scanned), CODEMODS[spec.codemod]) for spec in recipe.steps if spec.applies_to(upstream)]
-    files = _map_files(base, paths, specs, recipe, jobs, progress)
+    files = _map_files(paths, [result for result, _ in read], specs, recipe, jobs, progress)
     files += add_runtime_files(base, files)
     texts = {f.path: f.original for f in files if f.original is not None}
     steps = classify(recipe, upstream, files, texts)
     missing = sorted(a for a in (recipe.upstreams[upstream].anchors if upstream else ()) if a not in defined)
-    report = Report(recipe, root, upstream, files + skipped, steps, missing, decoders=found.decoders if found else {},
+    report = Report(recipe, root, upstream, files + skipped, steps, missing, vendored, decoders=found.decoders if found else {},
                     exclude=exclude, excluded=excluded)
     mark_skipped(report)
     if found is not None:
@@ -434,18 +445,52 @@ def tree_scan(spec: StepSpec, cls: type, scanned: dict[str, str]) -> StepSpec:
     return dataclasses.replace(spec, params={**spec.params, **extra}) if extra else spec
 
 
-def _map_files(root: Path, paths: list[Path], specs, recipe: Recipe, jobs: int, progress=None) -> list[FileResult]:
-    n = len(paths)
-    done: list[FileResult] = []
+#: ``analyse``'s results by (text, the steps the text prefilter let through, in_package), newest last:
+#: a file met again in this process (``ddpatch ci``'s commits, a check then an apply through the API,
+#: the tests) is neither parsed again nor sent to a worker.
+_ANALYSED: "OrderedDict[tuple, tuple]" = OrderedDict()
+#: Below this many files left for LibCST, they are analysed in this process. A pool for a fork's five
+#: decoder files (bench_large_tree.py's tree, jobs 2, 2 cores at load 10) cost 13 % more CPU and
+#: 22 % more wall time than none (medians of 8 runs each); a pool pays on a larger set of files.
+POOL_MIN_FILES = 8
 
-    def collect(results: Iterable[FileResult]) -> list[FileResult]:
-        for result in results:
-            done.append(result)
+
+def _map_files(paths: list[Path], results: list[FileResult], specs, recipe: Recipe, jobs: int, progress=None) -> list[FileResult]:
+    """Stages 3 and 4 over the tree: the text prefilter here, then ``analyse`` for the few files it lets
+    through that this process has not analysed yet, in ``jobs`` worker processes when there are
+    at least ``POOL_MIN_FILES`` of them (only those files' texts go to the workers)."""
+    n = len(results)
+    todo = []
+    for result, path in zip(results, paths):
+        active = prefilter(result.original, specs) if result.error is None else []
+        if active:
+            in_package = (path.parent / "__init__.py").exists()
+            todo.append((result, _memo_key(result.original, active, in_package), (result.original, active, in_package)))
+    done = n - len(todo)
+    if progress is not None:
+        for i in range(1, done + 1):
+            progress(i, n)
+    got = {key: _ANALYSED[key] for _result, key, _args in todo if key in _ANALYSED}  # known before this run
+    for key in got:
+        _ANALYSED.move_to_end(key)
+    new = list({key: args for _result, key, args in todo if key not in got}.values())
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(new))) if jobs > 1 and len(new) >= POOL_MIN_FILES else None
+    try:
+        # in the order of ``new``: the first file of each new key takes the next result
+        fresh = pool.map(analyse, *zip(*new), chunksize=max(1, min(8, len(new) // (4 * jobs)))) if pool else None
+        for result, key, args in todo:
+            out = got.get(key)
+            if out is None:
+                out = got[key] = next(fresh) if fresh is not None else analyse(*args)
+                _ANALYSED[key] = out[:2] + (tuple(dataclasses.replace(s) for s in out[2]),) + out[3:]
+                if len(_ANALYSED) > _MEMO_SIZE:
+                    _ANALYSED.popitem(last=False)
+            kept, new_text, sites, needs_runtime, error = out
+            merge(result, conclude(result.original, (kept, new_text, [dataclasses.replace(s) for s in sites], needs_runtime, error), recipe))
+            done += 1
             if progress is not None:
-                progress(len(done), n)
-        return done
-
-    if jobs <= 1 or n < 8:
-        return collect(process_file(root, p, specs, recipe) for p in paths)
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        return collect(pool.map(process_file, [root] * n, paths, [specs] * n, [recipe] * n, chunksize=8))
+                progress(done, n)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    return results

@@ -10,10 +10,10 @@ from __future__ import annotations
 import difflib
 import tomllib
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from .. import shipped
 from ..errors import RecipeError
 
 
@@ -172,9 +172,10 @@ def _model_presets(value: Any, where: str) -> dict[str, str]:
     return dict(value)
 
 
-def builtin_recipes() -> dict[str, Path | Any]:
-    files = resources.files("recipes")
-    return {p.name[: -len(".toml")]: p for p in files.iterdir() if p.name.endswith(".toml")}
+def builtin_recipes() -> dict[str, Path]:
+    """The built-in recipes by name: ``recipes/*.toml`` of the checkout, or of the install (``patcher.shipped``)."""
+    folder = shipped("recipes")
+    return {p.name[: -len(".toml")]: p for p in sorted(folder.glob("*.toml"))} if folder.is_dir() else {}
 
 
 def did_you_mean(name: str, known: list[str]) -> str:

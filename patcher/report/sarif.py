@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
+from .. import __version__, shipped
 from ..results import GREEN, CIResult
 
 
@@ -17,9 +17,7 @@ def _recipe_location(recipe, step: str | None) -> dict:
     text = None
     try:
         if recipe.source.startswith("recipes/"):
-            from importlib import resources
-
-            text = resources.files("recipes").joinpath(recipe.source[len("recipes/"):]).read_text(encoding="utf-8")
+            text = (shipped("recipes") / recipe.source[len("recipes/"):]).read_text(encoding="utf-8")
         elif recipe.source and Path(recipe.source).is_file():
             text = Path(recipe.source).read_text(encoding="utf-8")
     except OSError:

@@ -68,10 +68,12 @@ def _some(items: list[str], verbose: bool, limit: int = 3) -> str:
 
 
 def survey_lines(report: Report, verbose: bool = False) -> list[str]:
-    """What the run found besides the steps: the decoders, what was left out, the sites left alone, unresolved imports."""
+    """What the run found besides the steps: the decoders, what was left out (folders that look vendored, and
+    ``--exclude``), the sites left alone, unresolved imports."""
     out = []
     if report.decoders:
         out.append(f"decoders: {_some(sorted(report.decoders), verbose, 6)}")
+    out += vendored_lines(report)
     by: dict[str, list[str]] = {}
     for path, why in report.excluded.items():
         by.setdefault(why, []).append(path)
@@ -94,6 +96,21 @@ def survey_lines(report: Report, verbose: bool = False) -> list[str]:
         out += [f"  {i.path}:{i.line}: {i.module}: {i.message}" for i in (quiet if verbose else quiet[:10])]
         if not verbose and len(quiet) > 10:
             out.append(f"  and {len(quiet) - 10} more (-v lists each)")
+    return out
+
+
+def vendored_lines(report: Report) -> list[str]:
+    """The folders that look like copies of third-party packages: those left out, in one line, and
+    each one checked after all because it holds a decoder signal."""
+    out = []
+    left = [v for v in report.vendored if v.left_out]
+    if left:
+        shown = ", ".join(f"{v.path}/ ({v.reason})" for v in left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+        out.append(f"left out {len(left)} folder(s) that look vendored ({sum(v.files for v in left)} file(s), no decoder in them; "
+                   f"--include-vendored checks them): {shown}")
+    for v in report.vendored:
+        if not v.left_out:
+            out.append(f"checked {v.path}/ although it looks vendored ({v.reason}): it {v.decoder}")
     return out
 
 

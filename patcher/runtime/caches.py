@@ -36,11 +36,35 @@ def _cache_length(cache) -> int:
     """Tokens in the cache as its key/value layers count them. From 5.25 a linear layer counts
     tokens too (``cumulative_length_linear``) and ``cache.get_seq_length()`` reads layer 0, which
     is linear in Qwen3.5; the runtime moves that count itself, so it reads the attention layers."""
+    linear = None
     for layer in _layers(cache) or ():
-        # a sliding layer hidden during compaction (windows._CompactedHere) was cut already: skip it
-        if not _is_linear_layer(layer) and not getattr(type(layer), "stands_in", False):
+        # a sliding layer hidden during compaction (windows._CompactedHere) was cut already: skip it;
+        # so are layers that hold nothing (transformers' DummyLayer, for MLP and MoE blocks: no get_seq_length)
+        if getattr(type(layer), "stands_in", False) or not callable(getattr(layer, "get_seq_length", None)):
+            continue
+        if not _is_linear_layer(layer):
             return int(layer.get_seq_length())
-    return int(cache.get_seq_length())
+        linear = linear or layer
+    return int(linear.get_seq_length()) if linear is not None else int(cache.get_seq_length())
+
+
+def _crop_keys(layer, drop: int) -> None:
+    """Drop the last ``drop`` tokens of the key/value part of a layer that is linear attention and attention at
+    once (Falcon-H1's, Zaya's hybrid layers), with that part's own class crop: a sliding part (Zaya's
+    ``hybrid_sliding``) also moves its token count and keeps its window, which slicing the keys would not."""
+    keys = getattr(layer, "keys", None)
+    if drop <= 0 or not isinstance(keys, torch.Tensor) or keys.dim() < 2 or keys.shape[-2] == 0:
+        return
+    try:
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin as linear
+    except ImportError:  # pragma: no cover - every 5.x release has it
+        linear = ()
+    for klass in type(layer).__mro__[1:]:
+        crop = vars(klass).get("crop")
+        if crop is not None and klass is not object and not (linear and issubclass(klass, linear)):
+            return crop(layer, -drop)
+    layer.keys = keys[..., :-drop, :]
+    layer.values = layer.values[..., :-drop, :]
 
 
 def _linear_count(layer):

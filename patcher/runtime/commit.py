@@ -7,7 +7,7 @@ import inspect
 
 import torch
 
-from .caches import _cache_length, _is_linear_layer, _kv_tensors, _layers, _linear_count, _linear_layer_ids, _restore, _set_linear_count, _shift_linear_count, _state_context
+from .caches import _cache_length, _crop_keys, _is_linear_layer, _kv_tensors, _layers, _linear_count, _linear_layer_ids, _restore, _set_linear_count, _shift_linear_count, _state_context
 from .discovery import _cache_kwargs
 from .windows import _compact_keyed_layers, _hide_layers
 from .errors import _uncertain
@@ -29,7 +29,17 @@ def _replay(cache, record: _Record, index: torch.Tensor | int) -> None:
         else:
             hidden = hidden.index_select(1, index.to(hidden.device))
             mask = None
-        module(hidden_states=hidden, attention_mask=mask, **_cache_kwargs(module, cache))
+        extra = {"attention_mask": mask} if _takes_a_mask(module) else {}  # Zaya's conv mixer takes none
+        module(hidden_states=hidden, **extra, **_cache_kwargs(module, cache))
+
+
+def _takes_a_mask(module) -> bool:
+    """Whether the mixer's forward takes ``attention_mask`` (by name, or through ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return True
+    return "attention_mask" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 def _as_index_list(keep) -> list[int]:
@@ -80,11 +90,7 @@ def _crop_attention(cache, drop: int) -> None:
     for layer in cache.layers:
         if _is_linear_layer(layer):
             _shift_linear_count(layer, -drop)
-            keys = getattr(layer, "keys", None)
-            if isinstance(keys, torch.Tensor) and keys.dim() >= 2 and keys.shape[-2] > 0:
-                # combined linear + attention layer: crop only its attention part
-                layer.keys = keys[..., :-drop, :]
-                layer.values = layer.values[..., :-drop, :]
+            _crop_keys(layer, drop)  # combined linear + attention layer: crop only its attention part
             continue
         type(layer).crop(layer, -drop)  # the class's crop: negative = tokens to drop, legal on every 5.x
 
@@ -98,7 +104,7 @@ def _trim_conv(cache) -> None:
         for k, conv in layer.conv_states.items():
             kernel = layer.conv_kernel_size.get(k)
             if isinstance(conv, torch.Tensor) and kernel and conv.shape[-1] > kernel:
-                layer.conv_states[k] = conv[..., -kernel:]
+                layer.conv_states[k] = conv[..., -kernel:].contiguous()
 
 
 def _tree_prefix_is_path(record: _Record, keep: int) -> bool:
@@ -117,7 +123,7 @@ def _commit_for_drop(cache, record: _Record, drop: int) -> None:
     if keep < 0:
         _set_record(cache, None)
         raise RuntimeError(
-            f"ddpatch: the target cache was cut back {drop} tokens, below the start of the recorded verify "
+            f"ddpatch: the {record.owner} cache was cut back {drop} tokens, below the start of the recorded verify "
             f"({record.length} tokens); the recurrent state can only be rolled back to the verify's start"
         )
     if record.mode == "tree" and keep > 1 and not _tree_prefix_is_path(record, keep):

@@ -127,10 +127,16 @@ def draft_forward(model, *args, **kwargs):
             if bound.arguments.get("attention_mask") is not None or _masks_itself(module, original, bound):
                 return original(*f_args, **f_kwargs)  # the drafter masks this layer itself: never replace its mask
             layer = layers[module.layer_idx] if layers is not None and module.layer_idx < len(layers) else None
+            keys = key_positions
             if layer is not None and getattr(layer, "is_sliding", False):
-                return original(*f_args, **f_kwargs)  # a sliding cache layer trims keys itself
+                # a sliding cache layer (a cache built from the drafter's config) hands attention the last
+                # `window - 1` keys it kept and then the new ones: that trims, it does not window a query
+                # of several tokens, so the mask covers exactly those keys
+                seen = int(layer.get_seq_length())
+                kept = min(seen, int(getattr(layer, "sliding_window", module.sliding_window)) - 1)
+                keys = torch.cat([torch.arange(seen - kept, seen, device=positions.device), positions[0]])
             q_pos = positions[0, -hidden.shape[1] :]
-            visible = (q_pos[:, None] - key_positions[None, :]) < module.sliding_window
+            visible = (q_pos[:, None] - keys[None, :]) < module.sliding_window
             mask = torch.zeros(visible.shape, dtype=hidden.dtype, device=hidden.device)
             mask.masked_fill_(~visible, torch.finfo(hidden.dtype).min)
             bound.arguments["attention_mask"] = mask[None, None]

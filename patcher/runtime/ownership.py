@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import weakref
 
-import torch
 
-from .caches import _linear_layer_ids, _shift_linear_count
+from .caches import _crop_keys, _linear_layer_ids, _shift_linear_count
 from .record import _get_record, _usable
 from .commit import _commit_for_drop, _cut, _trim_conv
 
@@ -70,10 +69,7 @@ class _OwnedLayerCrop:
         if record is not None and record.settled is None:
             _commit_for_drop(cache, record, drop)
         _shift_linear_count(layer, -drop)
-        keys = getattr(layer, "keys", None)
-        if drop and isinstance(keys, torch.Tensor) and keys.dim() >= 2 and keys.shape[-2] > 0:
-            layer.keys = keys[..., :-drop, :]
-            layer.values = layer.values[..., :-drop, :]
+        _crop_keys(layer, drop)
         _trim_conv(cache)
 
 

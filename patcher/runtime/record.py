@@ -40,6 +40,7 @@ class _Record:
     counts: dict = field(default_factory=dict)  # layer_idx -> 5.25+ linear token count before the verify
     inflight: bool = False  # set before the verify's forward, cleared once it returned
     lost: bool = False  # a copy (deepcopy, pickle) of a record that was not committed
+    owner: str = "target"  # whose cache this is, for the messages (``lossless`` names an assistant's)
 
     def __reduce_ex__(self, protocol):
         """A copied cache gets neither the captured activations nor the modules: a committed
@@ -97,7 +98,7 @@ def _pending_record(cache) -> _Record | None:
     if current != record.past_len + record.length:
         _set_record(cache, None)
         raise RuntimeError(
-            f"ddpatch: the target cache was cut back from {record.past_len + record.length} to {current} tokens "
+            f"ddpatch: the {record.owner} cache was cut back from {record.past_len + record.length} to {current} tokens "
             "without committing the recorded verify, so its recurrent (linear-attention) state still holds the "
             "rejected tokens; cut it back with cache.crop(-n), crop_cache, compact_cache or a @tree_commit function"
         )

@@ -8,12 +8,12 @@ import torch
 from .caches import _cache_length, _is_linear_layer, _layers, _linear_layer_ids, _linear_count, _set_linear_count, _snapshot
 from .discovery import _cache_of, _call_kwargs, _keyword_adapted, _model_type, hybrid_linear_modules
 from .errors import _uncertain
-from .routing import _one_verify, _own_forward
-from .windows import _record_window_past, _windowed_mask_forwards
+from .routing import _one_verify, _own_forward, _swapped_forwards
+from .windows import _record_window_past, _shrink_recorded, _windowed_mask_forwards
 from .probes import _check_mask_honoured, _checked_hidden_states
 from .tree import _tree_plan, tree_parents_from_mask
 from .record import _Record, _check_settled, _pending_record, _set_record
-from .strategies import _node_recurrent_forward, _path_batched_forward, _swapped_forwards, _use_path_batched
+from .strategies import _node_recurrent_forward, _path_batched_forward, _use_path_batched
 from .fastpath import _fast_kernels_for
 from .fastforwards import _fast_chain_replacements, _tree_fast_or
 from .commit import _commit_for_drop
@@ -64,27 +64,30 @@ def verify_forward(model, *args, **kwargs):
 
 def _recorded_verify(model, cache, modules, args, kwargs):
     _own_crop(cache)
-    previous = _pending_record(cache)  # raises when the cache was cut back without a commit
-    if previous is not None:
-        # Never cut back: every verified token was kept. Exact for a chain, and for a tree only
-        # when the tree is a single path.
-        _commit_for_drop(cache, previous, 0)
-    _check_settled(cache)  # a committed record must still match the cache's length
-    _set_record(cache, None)
-
     mask = kwargs.get("attention_mask")
     tokens = args[0] if args else kwargs.get("input_ids")
     if tokens is None:
         tokens = kwargs.get("inputs_embeds")
     length = int(tokens.shape[1])
-    past_len = _cache_length(cache)
     is_tree = isinstance(mask, torch.Tensor) and mask.dim() == 4
+    previous = _pending_record(cache)  # raises when the cache was cut back without a commit
+    if previous is not None:
+        if not is_tree and _spans(cache, previous, modules, length):
+            return _extended_verify(model, cache, previous, modules, length, args, kwargs)
+        # Never cut back: every verified token was kept. Exact for a chain, and for a tree only
+        # when the tree is a single path.
+        _commit_for_drop(cache, previous, 0)
+    _shrink_recorded(cache)  # the verify before this one is committed: what past recording kept for it can go
+    _check_settled(cache)  # a committed record must still match the cache's length
+    _set_record(cache, None)
+    past_len = _cache_length(cache)
 
     if is_tree:
         parents = tree_parents_from_mask(mask)
         if len(parents) != length:
             raise ValueError(f"ddpatch: mask has {len(parents)} query rows for {length} verify tokens")
-        record = _Record("tree", past_len, length, modules, plan=_tree_plan(parents, tokens.device), inflight=True)
+        record = _Record("tree", past_len, length, modules, plan=_tree_plan(parents, tokens.device), inflight=True,
+                         owner=getattr(cache, _OWNER_ATTR, "target"))
         record.counts = {i: _linear_count(cache.layers[i]) for i, _ in modules}
         make = _path_batched_forward if _use_path_batched(record.plan, tokens.device) else _node_recurrent_forward
         replacements = [
@@ -99,7 +102,7 @@ def _recorded_verify(model, cache, modules, args, kwargs):
         record.inflight = False
         return _checked_hidden_states(model, output)
 
-    record = _Record("chain", past_len, length, modules, inflight=True)
+    record = _Record("chain", past_len, length, modules, inflight=True, owner=getattr(cache, _OWNER_ATTR, "target"))
     record.counts = {i: _linear_count(cache.layers[i]) for i, _ in modules}
     record.snapshot = {i: _snapshot(cache, i) for i, _ in modules}
     fast = dict(_fast_chain_replacements(modules, record))
@@ -120,3 +123,45 @@ def _capturing(forward, record: _Record, layer_idx: int):
         return forward(*args, **kwargs)
 
     return capture
+
+
+#: Set on a cache by its caller (``patcher.lossless`` for an assistant model): how many tokens one record may
+#: span across forwards, and whose cache it is (for the messages). transformers' assisted loop cuts an
+#: assistant's cache back across several of its own drafting forwards, not only within the last one.
+_SPAN_ATTR, _OWNER_ATTR = "_ddpatch_span", "_ddpatch_owner"
+
+
+def _spans(cache, record: _Record, modules, length: int) -> bool:
+    """Whether this forward extends ``record`` instead of committing it: a chain on a cache that asks for it."""
+    span = getattr(cache, _SPAN_ATTR, 0)
+    return bool(span) and record.mode == "chain" and record.length + length <= span and record.modules == tuple(modules)
+
+
+def _extended_verify(model, cache, record: _Record, modules, length: int, args, kwargs):
+    """Run the forward with ``record`` still pending: its inputs are appended to the record's, so that a
+    later cut anywhere in the span restores the snapshot from the span's start and replays the kept tokens."""
+    scratch = _Record("chain", record.past_len, length, modules)
+    record.inflight = True  # a forward that raises leaves a record no commit accepts
+    record.fast.clear()  # the fast path's captures cover the first forward only: the generic replay
+    with _swapped_forwards([(module, _capturing(_own_forward(module), scratch, i)) for i, module in modules]):
+        output = model(*args, **kwargs)
+    for i, _ in modules:
+        if i in record.inputs and i in scratch.inputs:
+            record.inputs[i] = _joined(record.inputs[i], scratch.inputs[i])
+        else:
+            record.inputs.pop(i, None)  # the commit then raises: it never reached this layer
+    record.length += length
+    record.inflight = False
+    return _checked_hidden_states(model, output)
+
+
+def _joined(first, second):
+    """Two captured (hidden, mask) inputs laid end to end; a 2D padding mask of None means no padding."""
+    (h0, m0), (h1, m1) = first, second
+    masks = [m if isinstance(m, torch.Tensor) else None for m in (m0, m1)]
+    if any(m is not None and m.dim() != 2 for m in masks):
+        masks = [None, None]
+    if all(m is None for m in masks):
+        return torch.cat([h0, h1], dim=1), None
+    ones = [m if m is not None else torch.ones(h.shape[:2], dtype=torch.long, device=h.device) for m, h in zip(masks, (h0, h1))]
+    return torch.cat([h0, h1], dim=1), torch.cat([ones[0].to(ones[1].dtype), ones[1]], dim=1)

@@ -34,6 +34,25 @@ def _record_window_past(cache) -> None:
                 layer.recurrent_states_to_keep = 0
 
 
+def _shrink_recorded(cache) -> None:
+    """After a verify was kept whole, drop what past recording kept for it: a sliding layer's keys beyond its
+    window, a linear layer's conv inputs beyond its kernel (what transformers' own ``crop(0)`` does). Without
+    this, forwards that are never cut back (plain greedy inside ``lossless``) grow them by one entry a token."""
+    for layer in _layers(cache) or ():
+        if not getattr(layer, "record_past", False):
+            continue
+        keys = getattr(layer, "keys", None)
+        if _is_window_layer(layer) and isinstance(keys, torch.Tensor) and keys.dim() >= 2 \
+                and keys.shape[-2] > layer.sliding_window - 1 and layer.get_seq_length() >= layer.sliding_window:
+            layer.keys = keys[..., -layer.sliding_window + 1:, :]
+            layer.values = layer.values[..., -layer.sliding_window + 1:, :]
+        kernels = getattr(layer, "conv_kernel_size", None)
+        for k, conv in (getattr(layer, "conv_states", None) or {}).items():
+            kernel = kernels.get(k) if isinstance(kernels, dict) else None
+            if isinstance(conv, torch.Tensor) and kernel and conv.shape[-1] > kernel:
+                layer.conv_states[k] = conv[..., -kernel:].contiguous()
+
+
 def _windowed_tree_mask(mask: torch.Tensor, window: int, kwargs: dict) -> torch.Tensor:
     """The 4D tree ``mask`` as a sliding layer must see it: cut to the keys the layer returns
     (its last ``window - 1`` prefix keys, then the verify's) and windowed (a query at position

@@ -145,32 +145,68 @@ def _mean(xs) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
+def judged_rounds(acceptance: list[int], horizon: int) -> list[int]:
+    """The rounds of a decode that start before ``horizon`` new tokens (a round's start: the new tokens committed
+    before it, the prefill's one not counted): the rounds every tree runs on a whole block."""
+    s, out = 0, []
+    for a in acceptance:
+        if s >= horizon:
+            break
+        out.append(a)
+        s += a
+    return out
+
+
+def horizon_of(n: int, block_size: int) -> int:
+    """Rounds that start at least one block before the end of ``n`` new tokens are judged: a tree may shorten the
+    rounds after (upstream DFlash: ``verify_size = min(block_size, max_length - start)``; DDTree's output buffer
+    holds ``max_length + 1 + budget`` tokens, so a budget + 1 below the block size cuts its last rounds)."""
+    return max(0, n - block_size)
+
+
 def method_check(name: str, runs: list[dict], floor_data: dict | None, why_none: str, cfg: dict, dtype: str,
-                 references: list[list[int]], drafter: dict) -> dict:
-    """The ``acceptance: METHOD`` row: judged against the stored floor, or reported (``info``) without one."""
+                 references: list[list[int]], drafter: dict, kind: str | None = None, budget: int | None = None) -> dict:
+    """The ``acceptance: METHOD`` row: judged against the stored floor, or reported (``info``) without one. Any chain
+    decoder is judged against the floor of ddpatch's chain reference decode (``dflash``), any tree decoder at budget
+    B against the tree's (``ddtree_tbB``)."""
     check = {"check": f"acceptance: {name}"}
+    if kind is None:  # named the reference decoders' way: dflash, ddtree_tbB
+        kind, budget = ("tree", int(name.rsplit("tb", 1)[1])) if name.startswith("ddtree_tb") else ("chain", None)
     done = [r for r in runs if r.get("acceptance")]
     lengths = [a for r in done for a in r["acceptance"]]
     mean = _mean(lengths)
     oracle = f"drafter oracle: {'skip' if drafter.get('skipped') else 'pass' if drafter.get('passed') else 'FAIL'}"
-    budget = int(name.rsplit("tb", 1)[1]) if name.startswith("ddtree_tb") else None
-    reason = why_none if floor_data is None else not_applicable(floor_data, cfg, dtype, budget)
+    stored = "dflash" if kind == "chain" else f"ddtree_tb{budget}"
+    reason = why_none if floor_data is None else not_applicable(floor_data, cfg, dtype, budget if kind == "tree" else None)
     if reason or not done:
         figures = f"mean {mean:.2f} over {len(lengths)} rounds" if done else "no run"
         return {**check, "passed": True, "info": True, "acceptance_mean": round(mean, 3),
                 "evidence": f"{figures} ({reason or 'nothing to judge'}: reported, not judged); {oracle}"}
     n, rows, left_out = cfg["max_new_tokens"], [], []
+    h = horizon_of(n, cfg["block_size"])
+    if h <= 0:
+        return {**check, "passed": True, "info": True, "acceptance_mean": round(mean, 3),
+                "evidence": f"mean {mean:.2f}: {n} new tokens leave no round a whole block before the end (block size "
+                            f"{cfg['block_size']}): reported, not judged; {oracle}"}
+    tails = 0
     for r in done:
-        stored = floor_data["prompts"][r["prompt"]] if r["prompt"] < len(floor_data["prompts"]) else None
-        if stored is None or references[r["prompt"]] != stored["greedy"][: len(references[r["prompt"]])] or not r["verdict"]["identical"]:
+        entry_p = floor_data["prompts"][r["prompt"]] if r["prompt"] < len(floor_data["prompts"]) else None
+        if entry_p is None or references[r["prompt"]] != entry_p["greedy"][: len(references[r["prompt"]])] or not r["verdict"]["identical"]:
             left_out.append(r["prompt"])
             continue
-        entry = stored["methods"][name]
-        stop_at = stored["stop_at"] if stored["stop_at"] is not None and stored["stop_at"] < n else None
-        ref = walk(entry["at"], n, stop_at)
-        rows.append({"prompt": r["prompt"], "mean": _mean(r["acceptance"]), "floor": floor(entry["reachable"], n, stop_at),
-                     "reference": _mean(ref), "rounds": len(r["acceptance"]), "reference_rounds": len(ref), "reference_total": sum(ref)})
-    note = f"; prompt(s) {', '.join(map(str, left_out))} left out (greedy continuation differs from the stored one)" if left_out else ""
+        entry = entry_p["methods"][stored]
+        stop_at = entry_p["stop_at"] if entry_p["stop_at"] is not None and entry_p["stop_at"] < h else None
+        ref = walk(entry["at"], h, stop_at)
+        mine = judged_rounds(r["acceptance"], h)
+        tails += len(r["acceptance"]) - len(mine)
+        rows.append({"prompt": r["prompt"], "mean": _mean(mine), "floor": floor(entry["reachable"], h, stop_at),
+                     "reference": _mean(ref), "rounds": len(mine), "reference_rounds": len(ref), "reference_total": sum(ref)})
+    if tails:
+        left_out_tail = (f"; judged on the rounds that start a block or more before the end ({tails} last round(s) left out: "
+                         "trees shorten their last block)")
+    else:
+        left_out_tail = ""
+    note = (f"; prompt(s) {', '.join(map(str, left_out))} left out (greedy continuation differs from the stored one)" if left_out else "") + left_out_tail
     if not rows:
         return {**check, "passed": True, "info": True, "acceptance_mean": round(mean, 3),
                 "evidence": f"mean {mean:.2f}: no prompt comparable with the stored floor{note}; {oracle}"}

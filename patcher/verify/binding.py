@@ -32,6 +32,10 @@ UPSTREAM_ORDERS = (
 )
 
 REQUIRED_ROLES = ("draft", "target", "input_ids", "max_new_tokens")
+#: a drafter's own decoding method (``DFlashDraftModel.spec_generate``): the drafter is ``self``
+METHOD_ROLES = ("target", "input_ids", "max_new_tokens")
+#: a target-only decoder (a fork's ``target_generate``): no drafter in sight
+TARGET_ROLES = ("target", "input_ids", "max_new_tokens")
 
 
 class BindError(TypeError):
@@ -47,7 +51,28 @@ def _role_by_annotation(annotation) -> str | None:
     return None
 
 
-def bind_roles(fn) -> dict[str, str]:
+def kind_of(fn, drafter_method: bool = False) -> str:
+    """``tree`` (it takes a tree budget), ``chain`` (a drafter, as a parameter or as ``self``) or ``target``
+    (target-only: a reference decoder of the tree's own); BindError when the verifier cannot call it."""
+    if drafter_method:  # ``fn`` is the class's function: ``self`` (the drafter) is bound at call time
+        import functools
+
+        roles = set(bind_roles(functools.partial(fn, None) if not inspect.ismethod(fn) else fn, METHOD_ROLES).values())
+        return "tree" if "tree_budget" in roles else "chain"
+    try:
+        roles = set(bind_roles(fn).values())
+    except BindError as exc:
+        try:
+            roles = set(bind_roles(fn, TARGET_ROLES).values())
+        except BindError:
+            raise exc from None
+        if "draft" in roles:
+            raise
+        return "target"
+    return "tree" if "tree_budget" in roles else "chain"
+
+
+def bind_roles(fn, required=REQUIRED_ROLES) -> dict[str, str]:
     """Parameter name -> role for ``fn``; raises BindError naming the parameter it cannot bind."""
     try:
         params = [p for p in inspect.signature(fn).parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
@@ -67,7 +92,11 @@ def bind_roles(fn) -> dict[str, str]:
     def agreement(order):
         return sum(1 for i, p in enumerate(positional) if i < len(order) and roles.get(p.name) == order[i])
 
-    order = max(UPSTREAM_ORDERS, key=agreement)
+    if "draft" not in required:  # no drafter in this signature: the positional orders start after it
+        orders = tuple(o[1:] for o in UPSTREAM_ORDERS)
+    else:
+        orders = UPSTREAM_ORDERS
+    order = max(orders, key=agreement)
     for i, p in enumerate(positional):
         if p.name not in roles and i < len(order) and order[i] not in roles.values():
             roles[p.name] = order[i]
@@ -78,15 +107,15 @@ def bind_roles(fn) -> dict[str, str]:
                 f"cannot call {getattr(fn, '__name__', fn)}{where}: its required parameter {p.name!r} has no known meaning "
                 f"(the verifier passes {', '.join(ROLE_NAMES)}; name it like upstream or give it a default)"
             )
-    missing = [r for r in REQUIRED_ROLES if r not in roles.values()]
+    missing = [r for r in required if r not in roles.values()]
     if missing:
         raise BindError(f"cannot call {getattr(fn, '__name__', fn)}{where}: no parameter takes the {', '.join(missing)}")
     return roles
 
 
-def unsupported_sampling(fn, sampling: dict | None) -> list[str]:
+def unsupported_sampling(fn, sampling: dict | None, required=REQUIRED_ROLES) -> list[str]:
     """The requested sampling options that ``fn`` has no parameter for."""
-    taken = set(bind_roles(fn).values())
+    taken = set(bind_roles(fn, required).values())
     return [k for k in ("temperature", "top_p", "top_k") if (sampling or {}).get(k) is not None and k not in taken]
 
 
@@ -97,9 +126,14 @@ def _where(fn) -> str:
         return ""
 
 
+def required_for(kind: str, drafter_method: bool) -> tuple[str, ...]:
+    return METHOD_ROLES if drafter_method else TARGET_ROLES if kind == "target" else REQUIRED_ROLES
+
+
 def call_generate(fn, *, model, target, input_ids, mask_token_id, max_new_tokens, block_size, stop_token_ids,
-                  tree_budget=None, sampling: dict | None = None, strict: bool = True):
-    """Call a dflash_generate / ddtree_generate of any layout or fork, bound by its signature."""
+                  tree_budget=None, sampling: dict | None = None, strict: bool = True, required=REQUIRED_ROLES):
+    """Call a decoder of any layout or fork (``dflash_generate``, ``ddtree_generate``, a drafter's method, a
+    target-only loop), bound by its signature."""
     values = dict(
         draft=model, target=target, input_ids=input_ids, mask_token_id=mask_token_id, max_new_tokens=max_new_tokens,
         block_size=block_size, stop_token_ids=stop_token_ids, temperature=0.0, tree_budget=tree_budget, return_stats=True,
@@ -107,8 +141,8 @@ def call_generate(fn, *, model, target, input_ids, mask_token_id, max_new_tokens
     for key, value in (sampling or {}).items():
         if value is not None:
             values[key] = value
-    roles = bind_roles(fn)
-    unsupported = unsupported_sampling(fn, sampling)
+    roles = bind_roles(fn, required)
+    unsupported = unsupported_sampling(fn, sampling, required)
     if unsupported and strict:
         raise BindError(f"{getattr(fn, '__name__', fn)} takes no {', '.join(unsupported)} parameter")
     kwargs = {name: values[role] for name, role in roles.items() if role in values and (values[role] is not None or role == "stop_token_ids")}

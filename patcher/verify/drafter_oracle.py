@@ -37,19 +37,8 @@ ROLES = {
 }
 #: float32 keeps at least these (measured on correct runs of the presets: features <= 2e-6, output <= 2e-6)
 FLOAT32_MIN = {"features": 1e-4, "output": 1e-4}
-#: what to look at when a field differs (the recipe step, or the upstream line)
-HINTS = {
-    "cache": "the draft cache must be cut back to the committed length after each drafter call "
-             "(upstream: past_key_values_draft.crop(start); recipe step crop-compat)",
-    "positions": "position_ids[:, draft_cache_length : start + block_size] (upstream's draft call)",
-    "features": "target_hidden = extract_context_feature(verify.hidden_states, target_layer_ids) of the committed "
-                "positions only (upstream: layers_out[:, :committed] / layers_out[:, path, :]), "
-                "hidden_states[layer_id + 1]",
-    "noise": "noise_embedding = target.get_input_embeddings()(block) with block = [committed token, mask_token_id, ...] "
-             "(recipe step input-embeddings)",
-    "output": "the inputs agree but the output does not: the draft cache holds other context than the committed features "
-              "(a crop to another length), or the drafter's windowing (recipe step draft-sliding-window)",
-}
+#: the drafter methods whose inputs the oracle reads (DFlash2's selector path, DFlash's logits path)
+PROPOSAL_METHODS = ("propose", "compute_logits")
 
 
 class Unbindable(Exception):
@@ -84,16 +73,22 @@ class DrafterRecorder:
         self.roles = roles_of(draft)
         self.signature = inspect.signature(draft.forward)
         self.calls: list[dict] = []
+        self._wrapped: list[str] = []
         self.target_starts: list[tuple[int, int]] = []  # (events seen before, first position) per decoding forward
         self._events = 0
         self._depth = 0
         self._handles = []
 
     def __enter__(self):
+        self._wrapped = [name for name in PROPOSAL_METHODS if callable(getattr(self.draft, name, None))]
+        for name in self._wrapped:
+            setattr(self.draft, name, self._proposal(name, getattr(self.draft, name)))
         self._handles = [
             self.draft.register_forward_pre_hook(self._before, with_kwargs=True),
             # first of the forward hooks: the raw output, before the scripted draft replaces it
             self.draft.register_forward_hook(self._after, with_kwargs=True, prepend=True, always_call=True),
+            # last of them: what the decode loop really got (the scripted draft's hidden-state mode changes it)
+            self.draft.register_forward_hook(self._delivered, with_kwargs=True),
             self.target.register_forward_pre_hook(self._target, with_kwargs=True),
         ]
         return self
@@ -102,6 +97,26 @@ class DrafterRecorder:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for name in self._wrapped:
+            vars(self.draft).pop(name, None)
+        self._wrapped = []
+
+    def _proposal(self, name: str, method):
+        """``method`` that records, for the last drafter call, the hidden rows and anchor ids it was given."""
+        import functools
+
+        @functools.wraps(method)
+        def wrapper(*args, **kwargs):
+            values = [*args, *kwargs.values()]
+            hidden = next((v for v in values if hasattr(v, "is_floating_point") and v.is_floating_point() and v.dim() == 3), None)
+            anchor = next((v for v in values if hasattr(v, "is_floating_point") and not v.is_floating_point()), None)
+            if self.calls and self._depth == 0:
+                self.calls[-1].setdefault("proposals", []).append({
+                    "method": name, "hidden": hidden.detach().clone() if hidden is not None else None,
+                    "anchor": anchor.detach().clone() if anchor is not None else None})
+            return method(*args, **kwargs)
+
+        return wrapper
 
     def _arguments(self, args, kwargs) -> dict:
         try:
@@ -133,6 +148,14 @@ class DrafterRecorder:
             return
         hidden = output[0] if isinstance(output, tuple) else getattr(output, "last_hidden_state", output)
         self.calls[-1]["output"] = hidden.detach().clone() if hasattr(hidden, "detach") else None
+
+    def _delivered(self, module, args, kwargs, output):
+        if self._depth or not self.calls or "delivered" in self.calls[-1]:
+            return
+        hidden = output[0] if isinstance(output, tuple) else getattr(output, "last_hidden_state", output)
+        if hasattr(hidden, "detach") and self.calls[-1].get("output") is not None and hidden is not self.calls[-1]["output"]:
+            if not torch_equal(hidden, self.calls[-1]["output"]):
+                self.calls[-1]["delivered"] = hidden.detach().clone()
 
     def _target(self, module, args, kwargs):
         cache = cache_given(kwargs)
@@ -262,7 +285,23 @@ class Reference:
 
         ids = torch.tensor([[self.sequence[start]] + [mask_id] * (q - 1)], device=self.device)
         with torch.inference_mode():
-            return self.embed(ids)
+            return self.embed(ids) * embedding_scale(self.draft)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.shape == b.shape and bool(torch.equal(a.detach().to(b.device), b))
+
+
+def embedding_scale(draft) -> float:
+    """The scale the drafter's config puts on the noise embedding (DFlash's newest: ``input_embedding_scale``), else 1."""
+    config = getattr(draft, "config", None)
+    value = (getattr(config, "dflash_config", None) or {}).get("input_embedding_scale", getattr(config, "input_embedding_scale", None))
+    try:
+        return float(value) if value is not None else 1.0
+    except (TypeError, ValueError):
+        return 1.0
 
 
 # ----------------------------------------------------------------------------- tolerances
@@ -312,157 +351,3 @@ def calibrate(target, draft, prompt, continuation, mask_id: int, block_size: int
         tolerances = {k: max(v, FLOAT32_MIN[k]) for k, v in tolerances.items()}
     return DrafterCalibration(str(dtype).replace("torch.", ""), floors, tolerances)
 
-
-# ----------------------------------------------------------------------------- the verdict
-#: the fields judged per round, in the order a failure names them
-FIELDS = ("cache", "features", "positions", "noise", "output")
-
-
-@dataclass
-class DrafterVerdict:
-    rounds: int = 0  # drafter calls judged
-    unjudged: int = 0  # drafter calls past the final sequence (or not read)
-    failures: list = field(default_factory=list)  # (round, field, detail), in order
-    worst: dict = field(default_factory=dict)  # field -> largest |Δ| on any round
-    top1: list = field(default_factory=lambda: [0, 0])  # proposals equal / compared
-    skipped: str | None = None
-
-    @property
-    def passed(self) -> bool:
-        return self.skipped is None and self.rounds > 0 and not self.failures
-
-    def describe(self) -> str:
-        if self.skipped:
-            return f"drafter oracle: skipped ({self.skipped})"
-        if not self.rounds:
-            return "no drafter call was judged (the drafter was not called during the decode)"
-        if self.failures:
-            first = self.failures[0][0]
-            here = [(f, d) for r, f, d in self.failures if r == first]
-            later = len({r for r, _, _ in self.failures} - {first})
-            return (f"round {first}: " + "; ".join(f"{f} differs: {d}" for f, d in here)
-                    + (f"; {later} later rounds differ too" if later else "") + f" - hint: {HINTS[here[0][0]]}")
-        worst = ", ".join(f"{k} {v:.1e}" for k, v in self.worst.items())
-        return f"{self.rounds} rounds from scratch, max |Δ| {worst}, top-1 {self.top1[0]}/{self.top1[1]}"
-
-    def as_dict(self) -> dict:
-        return {"passed": self.passed, "rounds": self.rounds, "unjudged": self.unjudged, "skipped": self.skipped,
-                "failures": [{"round": r, "field": f, "detail": d} for r, f, d in self.failures],
-                "worst": self.worst, "top1": list(self.top1)}
-
-
-def _span(values: list[int]) -> str:
-    if len(values) > 1 and values == list(range(values[0], values[0] + len(values))):
-        return f"{values[0]}..{values[-1]}"
-    return ",".join(map(str, values)) or "none"
-
-
-def _nearest(rows, table) -> list[int]:
-    """For each row, the index of the nearest row of ``table`` (which position, which token id)."""
-    import torch
-
-    return torch.cdist(rows.float(), table.float()).argmin(dim=1).tolist() if rows.shape[0] and table.shape[0] else []
-
-
-def _features(ref, feats, rows, c: int, s: int, tol: float, worst) -> str | None:
-    """(a): the rows must be the reference features of positions c..s-1; what they are instead."""
-    span = _span(list(range(c, s)))
-    near = _nearest(rows, feats) if rows.shape[-1] == feats.shape[-1] else []
-    if rows.shape != feats[c:s].shape:
-        return f"{rows.shape[0]} rows given for positions {span} ({s - c} expected)" + (f", nearest to positions {_span(near)}" if near else "")
-    if not rows.numel():
-        return None
-    diff = worst("features", float((rows - feats[c:s]).abs().max()))
-    if diff <= tol:
-        return None
-    ids = ref.layer_ids
-    for label, (layer_ids, offset) in {"the layers in reverse order": (ids[::-1], 1), "hidden_states[layer_id] (the +1 offset dropped)": (ids, 0),
-                                       "reversed and without the +1 offset": (ids[::-1], 0)}.items():
-        alt = ref.pick(layer_ids, offset).float().cpu()[c:s]
-        if (layer_ids, offset) != (ids, 1) and float((alt - rows).abs().max()) <= tol:
-            return f"max |Δ| {diff:.2e} over positions {span} (tolerance {tol:.0e}): they are {label}, target_layer_ids {ids}"
-    stale = f", the rows are nearest to positions {_span(near)} (stale context?)" if near and near != list(range(c, s)) else ""
-    return f"max |Δ| {diff:.2e} over positions {span} (tolerance {tol:.0e})" + stale
-
-
-def _noise(ref, given, expect, token: int, mask_id: int, worst) -> str | None:
-    """(b): the block's embedding must be the committed token's, then the mask id's; which ids it holds instead."""
-    if given.shape != expect.shape:
-        return f"shape {tuple(given.shape)} given, {tuple(expect.shape)} expected"
-    exact = 1e-6 * (float(expect.abs().max()) + 1e-6)
-    diff = worst("noise", float((given - expect).abs().max()))
-    if diff <= exact:
-        return None
-    bad = [i for i in range(given.shape[0]) if float((given[i] - expect[i]).abs().max()) > exact]
-    table = getattr(ref.embed, "weight", None)
-    what = ""
-    if table is not None:
-        table = table.detach().float().cpu()
-        ids = _nearest(given[bad], table)
-        off = max(float((given[i] - table[t]).abs().max()) for i, t in zip(bad, ids))
-        what = (f": they embed ids {_span(ids)}" if off <= exact else
-                f": they are no rows of the target's input embeddings (nearest ids {_span(ids)}, Δ {off:.1e})")
-    return f"max |Δ| {diff:.2e} at block rows {_span(bad)} (committed token {token}, mask id {mask_id}){what}"
-
-
-def _output(head, out, scratch, tol: float, verdict, worst) -> str | None:
-    """(d): the drafter's raw output against the from-scratch forward, and its proposals (argmax), off near-ties."""
-    import torch
-
-    if out.shape != scratch.shape:
-        return f"shape {tuple(out.shape)} given, {tuple(scratch.shape)} from scratch"
-    if out.shape[0] < 2:
-        return None
-    diff = worst("output", float((out[1:] - scratch[1:]).abs().max()))
-    with torch.inference_mode():
-        w = head.weight
-        got, ref = (head(x[1:].to(w.device, w.dtype)).float().cpu() for x in (out, scratch))
-    top2 = ref.topk(2, dim=-1).values
-    same = got.argmax(-1) == ref.argmax(-1)
-    verdict.top1[0] += int(same.sum())
-    verdict.top1[1] += int(same.numel())
-    flips = (~same) & ((top2[:, 0] - top2[:, 1]) > 2 * (got - ref).abs().amax(dim=-1))
-    if diff <= tol and not bool(flips.any()):
-        return None
-    return (f"max |Δ| {diff:.2e} against a from-scratch drafter forward (tolerance {tol:.0e}); "
-            f"proposals equal at {int(same.sum())}/{same.numel()} block positions")
-
-
-def judge(recorder: DrafterRecorder, target, draft, final, mask_id: int, cal: DrafterCalibration) -> DrafterVerdict:
-    """Every recorded drafter call against its from-scratch reference on ``final`` (prompt + new tokens)."""
-    import torch
-
-    verdict = DrafterVerdict()
-    ref = Reference(target, draft, final)
-    feats = ref.features.float().cpu()
-    head, dtype = target.get_output_embeddings(), next(draft.parameters()).dtype
-
-    def worst(name, value):
-        verdict.worst[name] = max(verdict.worst.get(name, 0.0), value)
-        return value
-
-    prev_start = 0
-    for r, call in enumerate(recorder.calls):
-        s, c = recorder.start_of(call), call["cache_len"]
-        if s is None or s >= len(final) or any(call.get(k) is None for k in ("noise", "positions", "features", "output")):
-            verdict.unjudged += 1
-            continue
-        verdict.rounds += 1
-        q = call["noise"].shape[1]
-        got, want = call["positions"].reshape(-1, call["positions"].shape[-1])[0].tolist(), list(range(c, s + q))
-        shift = {g - w for g, w in zip(got, want)} if len(got) == len(want) else set()
-        scratch = reference_output(draft, recorder.roles, ref.features[None, :s].to(dtype), ref.block(s, q, mask_id).to(dtype),
-                                   torch.arange(s + q, device=ref.device)[None])
-        found = {
-            # the draft cache may hold committed context only: nothing past the previous round's committed length
-            "cache": None if c <= prev_start else (f"the draft cache held {c} positions before this call, the previous round "
-                                                   f"had committed only {prev_start} (it keeps {c - prev_start} block position(s))"),
-            "features": _features(ref, feats, call["features"][0].float().cpu(), c, s, cal.tolerances["features"], worst),
-            "positions": None if got == want else (f"{_span(got)} given, {_span(want)} expected (draft cache {c}, committed {s})"
-                                                   + (f": shifted by {shift.pop():+d}" if len(shift) == 1 else "")),
-            "noise": _noise(ref, call["noise"][0].float().cpu(), ref.block(s, q, mask_id)[0].float().cpu(), final[s], mask_id, worst),
-            "output": _output(head, call["output"][0].float().cpu(), scratch, cal.tolerances["output"], verdict, worst),
-        }
-        verdict.failures += [(r, name, found[name]) for name in FIELDS if found[name]]
-        prev_start = s
-    return verdict

@@ -37,22 +37,86 @@ def prepare_for_sampling(target, mask_token_id: int) -> None:
     head.register_forward_hook(no_mask)
 
 
-def load_preset(name: str, seed: int, draft_cls, block_size: int, default_init: bool = False, sampling: bool = False):
+def load_preset(name: str, seed: int, draft_classes: dict, block_size: int, default_init: bool = False, sampling: bool = False):
+    """The preset's target and one drafter of each class in ``draft_classes`` (name -> class; a class that cannot be
+    built from a scaled-down config is left out, its reason in the third value), and the mask id."""
     import torch
 
-    MASK_TOKEN_ID, build_target, draft_config = presets.MASK_TOKEN_ID, presets.build_target, presets.draft_config
-
-    target = build_target(name, seed=seed, **({"default_init": True} if default_init else {}))
-    torch.manual_seed(seed + 1)
-    # two layers, the first a sliding-window one as in Qwen3.6 drafters, with a window the prompts outgrow
-    cfg = draft_config(target, draft_cls.config_class, num_layers=2, block_size=block_size, sliding_window=DRAFT_WINDOW)
-    draft = draft_cls(cfg).eval()
+    target = presets.build_target(name, seed=seed, **({"default_init": True} if default_init else {}))
+    drafts, notes = {}, {}
+    for cls_name, cls in draft_classes.items():
+        torch.manual_seed(seed + 1)
+        try:
+            # two layers, the first a sliding-window one as in Qwen3.6 drafters, with a window the prompts outgrow
+            drafts[cls_name] = build_drafter(cls, target, block_size, presets.MASK_TOKEN_ID)
+        except Exception as exc:  # a drafter class whose config the verifier cannot make up
+            notes[cls_name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" if str(exc) else type(exc).__name__
     if sampling:
-        prepare_for_sampling(target, MASK_TOKEN_ID)
-    return target, draft, MASK_TOKEN_ID
+        prepare_for_sampling(target, presets.MASK_TOKEN_ID)
+    return target, drafts, presets.MASK_TOKEN_ID, notes
 
 
-def load_real(cfg: dict, draft_cls):
+#: Defaults for drafter config fields a class reads beyond DFlash's (DFlash2's selector and convolutions), by how
+#: the field's name ends; a field named nowhere here is left unset.
+FIELD_DEFAULTS = (("kernel_size", 2), ("group_size", 16), ("selector_rank", 8), ("_rank", 8), ("top_k", 8), ("num_candidates", 8))
+
+
+def _fields_read(cls) -> list[str]:
+    """String literals in the source of ``cls``'s module that look like config field names."""
+    import ast
+    import inspect
+
+    try:
+        source = inspect.getsource(inspect.getmodule(cls))
+    except (OSError, TypeError):
+        return []
+    names = {n.value for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+             and n.value.isidentifier() and n.value.islower()}
+    return sorted(names)
+
+
+def _construct(cls, cfg):
+    """``cls(cfg)``, every parameter it leaves uninitialised (``nn.Parameter(torch.empty(...))``, which a checkpoint
+    would fill: DFlash2's convolution kernels) made zeros, so that a built drafter is finite and the same every run."""
+    import torch
+
+    empty = torch.empty
+
+    def zeros(*args, **kwargs):
+        kwargs.pop("memory_format", None)
+        return torch.zeros(*args, **kwargs)
+
+    torch.empty = zeros
+    try:
+        return cls(cfg).eval()
+    finally:
+        torch.empty = empty
+
+
+def build_drafter(cls, target, block_size: int, mask_token_id: int, num_layers: int = 2):
+    """A drafter of ``cls`` fitting ``target``, from a scaled-down config: DFlash's fields, and for a class that needs
+    more (DFlash2's ``conv_kernel_size``, ``selector_rank``...), small values for the fields its module reads."""
+    cfg = presets.draft_config(target, cls.config_class, num_layers=num_layers, block_size=block_size, sliding_window=DRAFT_WINDOW)
+    cfg.dflash_config = {**cfg.dflash_config, "mask_token_id": mask_token_id}
+    try:
+        return _construct(cls, cfg)
+    except Exception as first:
+        extra = {}
+        for field in _fields_read(cls):
+            value = next((v for end, v in FIELD_DEFAULTS if field.endswith(end)), None)
+            if value is not None and getattr(cfg, field, None) is None and field not in cfg.dflash_config:
+                extra[field] = value
+        if not extra:
+            raise first
+        cfg.dflash_config = {**cfg.dflash_config, **extra}
+        for key, value in extra.items():
+            setattr(cfg, key, value)
+        return _construct(cls, cfg)
+
+
+def load_real(cfg: dict, draft_classes: dict, primary: str | None):
+    """The ``--target`` folder, and the drafter: the ``--draft`` folder loaded with the tree's class its config names
+    (``architectures``), else the primary; or, scripted, one drafter of each class. Returns (target, drafts, mask, notes)."""
     import torch
 
     for key in ("target", "draft"):
@@ -63,16 +127,42 @@ def load_real(cfg: dict, draft_cls):
     if cfg.get("device_map"):
         common["device_map"] = cfg["device_map"]
     target = load_target(cfg["target"], cfg.get("attn_implementation"), common).eval()
+    notes = {}
     if cfg.get("draft"):
-        draft = draft_cls.from_pretrained(cfg["draft"], attn_implementation=cfg.get("draft_attn_implementation") or "sdpa", **common)
+        name = drafter_class_of(cfg["draft"], draft_classes, primary)
+        drafts = {name: draft_classes[name].from_pretrained(cfg["draft"], attn_implementation=cfg.get("draft_attn_implementation") or "sdpa",
+                                                            **common)}
+        notes = {n: f"the --draft folder is a {name}" for n in draft_classes if n != name}
     else:
-        draft = scripted_draft_for(target, draft_cls, cfg["block_size"], dtype)
+        drafts = {}
+        for name, cls in draft_classes.items():
+            try:
+                drafts[name] = scripted_draft_for(target, cls, cfg["block_size"], dtype)
+            except Exception as exc:
+                notes[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     if not cfg.get("device_map"):
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        target, draft = target.to(device), draft.to(device)
+        target = target.to(device)
+        drafts = {n: d.to(device) for n, d in drafts.items()}
     else:
-        draft = draft.to(target.get_input_embeddings().weight.device)
-    return target, draft.eval(), getattr(draft, "mask_token_id", None)
+        drafts = {n: d.to(target.get_input_embeddings().weight.device) for n, d in drafts.items()}
+    first = next(iter(drafts.values()), None)
+    return target, {n: d.eval() for n, d in drafts.items()}, getattr(first, "mask_token_id", None), notes
+
+
+def drafter_class_of(folder: str, draft_classes: dict, primary: str | None) -> str:
+    """The tree's drafter class a ``--draft`` folder is for: the first of its config's ``architectures`` the tree
+    defines, else the primary class."""
+    import json
+
+    try:
+        names = json.loads((Path(folder) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        names = []
+    found = next((n for n in names if n in draft_classes), None)
+    if found is None and primary is None:
+        raise ValueError(f"--draft {folder}: the tree defines no drafter class")
+    return found or primary
 
 
 #: The Auto classes a folder's ``architectures`` may map to, in the order transformers' pipelines try them.
@@ -136,9 +226,7 @@ def scripted_draft_for(target, draft_cls, block_size: int, dtype):
     import torch
 
     torch.manual_seed(1)
-    cfg = presets.draft_config(target, draft_cls.config_class, num_layers=2, block_size=block_size, sliding_window=DRAFT_WINDOW)
-    cfg.dflash_config = {**cfg.dflash_config, "mask_token_id": int(cfg.vocab_size) - 1}
-    return draft_cls(cfg).to(dtype).eval()
+    return build_drafter(draft_cls, target, block_size, int(presets.text_config(target).vocab_size) - 1).to(dtype).eval()
 
 
 def check_fit(target, draft) -> None:

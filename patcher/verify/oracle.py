@@ -1,15 +1,10 @@
-"""The verifier's oracle and the scripted draft that makes its test able to fail.
+"""The verifier's oracles.
 
 ``compare`` is the lossless check: speculative greedy output must be token-identical to
 the target's own greedy decoding; when it is not, it names the first divergence.
-
-``ScriptedDraft`` makes rollback happen. A random draft is rejected at the first token
-almost every round, so a broken rollback is never exercised. The scripted draft knows
-the target's greedy continuation and, per proposed position, puts the true token at rank
-0, rank 1, or nowhere (probabilities about 0.6 / 0.25 / 0.15): partial acceptances, and
-for trees, accepted siblings. It still runs the draft model (so the draft's own cache
-path is exercised) and only replaces its output hidden states with ones that the
-target's ``lm_head`` maps to the scripted logits.
+``LogitsRecorder`` / ``judge_logits`` compare the logits the decoder used at every committed
+position with one from-scratch forward; ``chi_square_test`` judges sampled decoding.
+``ScriptedDraft`` (``script.py``, re-exported here) makes rollback happen.
 """
 
 from __future__ import annotations
@@ -18,11 +13,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from . import routers
-from .context import DecodeContext
-
-RANK_PROBS = (0.6, 0.25, 0.15)
-#: Under sampling the scripted draft proposes from the target's logits times this (its temperature halved).
-SAMPLING_SHARPEN = 4.0
+from .script import RANK_PROBS, SAMPLING_SHARPEN, ScriptedDraft  # noqa: F401 (the scripted draft lives in script.py)
 
 
 @dataclass(frozen=True)
@@ -80,144 +71,6 @@ def compare(expected: Sequence[int], got: Sequence[int]) -> Verdict:
         len(expected),
         len(got),
     )
-
-
-class ScriptedDraft:
-    """Forward hook on a draft model that proposes the target's greedy continuation with scripted ranks.
-
-    ``reference`` is the full greedy sequence (prompt + continuation) as a list of ids.
-    The hook reads the block's positions from the draft call's ``position_ids``: the last
-    ``q_len`` positions are the block, whose first token is already committed.
-    """
-
-    def __init__(self, target, reference: Sequence[int], seed: int, forbidden: Sequence[int] = (), margin: float = 8.0,
-                 from_distribution: bool = False):
-        import torch
-
-        self.reference = list(reference)
-        # after a near-tie the reference is the target's greedy continuation of the decoder's path, as far as
-        # ``horizon``; it is computed lazily (``_extend``), as far as a block asks: every position holds the
-        # token a whole computation would give (a cacheless greedy is a function of its prefix alone)
-        self.horizon = len(self.reference)
-        weight = target.get_output_embeddings().weight.detach().float()
-        self.vocab = weight.shape[0]
-        self.solve = torch.linalg.pinv(weight)  # [hidden, vocab]: h = pinv(W) @ z gives W h = z on W's range
-        self.gen = torch.Generator().manual_seed(10_007 + seed)
-        self.forbidden = set(int(t) for t in forbidden)
-        self.margin = margin
-        self.ranks: list[int] = []
-        # under sampling: propose from the target's own next-token logits on the decoder's actual context, sharpened,
-        # so the draft is confident, the target's samples part from it now and then, and partial acceptances happen
-        self.target = target
-        self.from_distribution = from_distribution
-        self.rows = None
-        self.context = DecodeContext(target)  # the decoder's committed path: the script follows it after a near-tie
-
-    def _other(self, avoid: set[int]) -> int:
-        import torch
-
-        while True:
-            t = int(torch.randint(0, self.vocab, (1,), generator=self.gen))
-            if t not in avoid and t not in self.forbidden:
-                return t
-
-    def logits_for(self, position: int):
-        """Scripted logits for the token at absolute ``position``."""
-        import torch
-
-        z = torch.zeros(self.vocab)
-        z += 0.01 * torch.randn(self.vocab, generator=self.gen)
-        if self.rows is not None:
-            z += self.rows[position - 1]
-            for t in self.forbidden:
-                z[t] = z.min() - self.margin
-            return z
-        true = self.reference[position] if position < len(self.reference) else self._other(set())
-        roll = float(torch.rand((), generator=self.gen))
-        rank = 0 if roll < RANK_PROBS[0] else 1 if roll < RANK_PROBS[0] + RANK_PROBS[1] else 2
-        self.ranks.append(rank)
-        other = self._other({true})
-        if rank == 0:
-            z[true], z[other] = self.margin, self.margin / 2
-        elif rank == 1:
-            z[other], z[true] = self.margin, self.margin * 0.75
-        else:
-            z[other], z[self._other({true, other})] = self.margin, self.margin * 0.75
-            z[true] = -self.margin
-        for t in self.forbidden:
-            z[t] = 0.0
-        return z
-
-    def __call__(self, module, args, kwargs, output):
-        import torch
-
-        hidden = output[0] if isinstance(output, tuple) else output
-        positions = kwargs.get("position_ids")
-        if positions is None or hidden.dim() != 3:
-            return output
-        q_len = hidden.shape[1]
-        block = positions[0, -q_len:].tolist()
-        if self.from_distribution:
-            self.rows = self._target_rows(block)
-        else:
-            self._follow(block[0], max(block) + 1)
-        rows = [self.logits_for(p) for p in block[1:]]
-        scripted = (self.solve @ torch.stack(rows).T).T.to(hidden.dtype).to(hidden.device)
-        new = hidden.clone()
-        new[0, 1:, :] = scripted
-        return (new, *output[1:]) if isinstance(output, tuple) else new
-
-    def _follow(self, start: int, end: int) -> None:
-        """Greedy: if the decoder's committed path has left the reference (a near-tie), continue the reference
-        with the target's greedy decoding from that path; the block reads positions up to ``end``."""
-        self._extend(start + 1)
-        prefix = self.context.prefix(start, self.reference)
-        if prefix != self.reference[: len(prefix)]:
-            self.horizon = max(self.horizon, len(prefix)) + 8
-            self.reference = prefix
-        self._extend(end)
-
-    def _extend(self, end: int) -> None:
-        """Compute the followed reference up to position ``end`` (not past ``horizon``)."""
-        import torch
-
-        from .models import greedy
-
-        end = min(end, self.horizon)
-        if len(self.reference) >= end:
-            return
-        device = self.target.get_input_embeddings().weight.device
-        block_ids = self.context.block_ids  # greedy's forwards go through the embeddings too: keep the draft block's
-        # without a cache: the logits oracle records only the decoder's cached forwards
-        self.reference += greedy(self.target, torch.tensor([self.reference], device=device), end - len(self.reference), use_cache=False)
-        self.context.block_ids = block_ids
-
-    def _target_rows(self, block: list[int]):
-        """The target's sharpened logits for the block's positions, on the decoder's context (where known, else
-        the reference), each proposal assumed to be the previous row's argmax; indexed by position - 1."""
-        import torch
-
-        ids = self.context.prefix(block[0], self.reference)
-        rows = {}
-        device = self.target.get_input_embeddings().weight.device
-        with torch.inference_mode():
-            for p in block[1:]:
-                z = self.target(torch.tensor([ids], device=device), use_cache=False).logits[0, -1].float().cpu() * SAMPLING_SHARPEN
-                rows[p - 1] = z
-                ids.append(int(z.argmax()))
-        return rows
-
-    def attach(self, draft):
-        return _Handles([draft.register_forward_hook(self, with_kwargs=True), self.context.attach()])
-
-
-class _Handles:
-    def __init__(self, handles):
-        self.handles = handles
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
 
 
 # ----------------------------------------------------------------------------- the logits oracle
@@ -318,6 +171,21 @@ def _committed(call: dict, final: list) -> list[int]:
         return [j for j in range(len(ids)) if bool(visible[i, j])] if visible is not None else range(i + 1)
 
     return [i for i in range(len(ids)) if all(ok[j] for j in context(i))]
+
+
+def observed_acceptance(calls: list[dict], prompt_len: int, final_len: int) -> list[int]:
+    """A decode's acceptance lengths read off the target's decoding forwards, for a decoder that returns none: a
+    round's verify starts at its block's first (committed) position, so the committed tokens of a round are the
+    distance to the next round's start; the last round's reach the final sequence's last token."""
+    starts = []
+    for call in calls:
+        first = call["positions"][0] if call["positions"] else None
+        if first is not None and first >= prompt_len and (not starts or first != starts[-1]):
+            starts.append(first)
+    out = [b - a for a, b in zip(starts, starts[1:])]
+    if starts and final_len - 1 > starts[-1]:
+        out.append(final_len - 1 - starts[-1])
+    return [a for a in out if a > 0]
 
 
 def committed_rows(calls: list[dict], final: Sequence[int]) -> list[tuple[int, "object"]]:

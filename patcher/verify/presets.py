@@ -76,6 +76,17 @@ def _qwen3_5():
     return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_text_fields(HYBRID_LAYERS), **_gdn_fields()))
 
 
+#: the vocabulary of tiny-qwen3_5-wide: 48 x HIDDEN, the ratio of a real model's vocabulary to its hidden size
+#: (Qwen3.6-27B: 248,320 / 5,120 = 48.5), where a draft scripted in hidden space loses its margins
+WIDE_VOCAB = 48 * HIDDEN
+
+
+def _qwen3_5_wide():
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**_text_fields(HYBRID_LAYERS), "vocab_size": WIDE_VOCAB}, **_gdn_fields()))
+
+
 def _qwen3_5_vlm():
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
@@ -374,6 +385,8 @@ PRESETS: dict[str, Preset] = {
     for p in (
         Preset("tiny-qwen3_5", "Qwen3_5ForCausalLM, 6 layers (4 Gated DeltaNet + 2 full attention)", _qwen3_5),
         Preset("tiny-qwen3_5-vlm", "Qwen3_5ForConditionalGeneration (nested text model), same text stack", _qwen3_5_vlm),
+        Preset("tiny-qwen3_5-wide", f"tiny-qwen3_5 with a {WIDE_VOCAB:,}-token vocabulary, 48 x its hidden size as in real "
+               "models", _qwen3_5_wide),
         Preset("mid-qwen3_5", "Qwen3_5ForCausalLM, 8 layers (6 Gated DeltaNet + 2 full attention), hidden 1024, "
                "~133 M parameters: for benchmarks", _mid_qwen3_5),
         Preset("tiny-qwen3_5-moe", "Qwen3_5MoeForCausalLM, hybrid layers with a 4-expert MoE", _qwen3_5_moe),

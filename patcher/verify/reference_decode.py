@@ -20,7 +20,7 @@ drafter within ``epsilon`` (in logits) of this one could reach there; ``floor`` 
 
 from __future__ import annotations
 
-from .drafter_oracle import reference_output, roles_of
+from .drafter_oracle import embedding_scale, reference_output, roles_of
 
 
 class ScratchPair:
@@ -54,7 +54,7 @@ class ScratchPair:
         with torch.inference_mode():
             hs = self.target(self._ids(seq[:s]), use_cache=False, output_hidden_states=True).hidden_states
             features = torch.cat([hs[i + 1][0].to(self.device) for i in self.layer_ids], -1)[None].to(self.dtype)
-            noise = self.embed(self._ids([seq[s]] + [self.mask_id] * (self.block_size - 1))).to(self.dtype)
+            noise = (self.embed(self._ids([seq[s]] + [self.mask_id] * (self.block_size - 1))) * embedding_scale(self.draft)).to(self.dtype)
             positions = torch.arange(s + self.block_size, device=self.device)[None]
             out = reference_output(self.draft, self.roles, features, noise, positions)
             w = self.head.weight

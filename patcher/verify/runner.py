@@ -24,7 +24,9 @@ from pathlib import Path
 
 from ..errors import VerifierCrash, VerifyError
 from ..results import Outcome
-from .trained import folder_preset_options
+from . import decoders
+from .trained import FOLDER_PRESETS, folder_preset_options, pair_options
+from .warm import PARENT_ENV
 
 DEFAULTS = dict(
     presets=["tiny-qwen3_5"],
@@ -37,6 +39,9 @@ DEFAULTS = dict(
     block_size=4,
     tree_budgets=[4, 8],
 )
+#: Folder presets a default verify runs beside the random preset: the trained pair judges acceptance, so that a tree
+#: that keeps every token but builds its tree wrong (and loses the speedup) fails what users run.
+DEFAULT_PAIRS = ["trained-qwen3_5"]
 
 
 def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> Outcome:
@@ -47,6 +52,10 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
         options = folder_preset_options(options)
     except ValueError as exc:
         raise VerifyError(str(exc)) from None
+    if options.get("pairs") is None and any(p in FOLDER_PRESETS for p in options.get("presets") or ()):
+        names = options["presets"]
+        options = {**options, "presets": [p for p in names if p not in FOLDER_PRESETS],
+                   "pairs": [pair_options(p, options) for p in names if p in FOLDER_PRESETS]}
     for key in ("target", "draft"):  # the child runs in a temporary folder: resolve against the caller's
         if options.get(key):
             options[key] = str(Path(options[key]).expanduser().resolve())
@@ -59,18 +68,31 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
                           "always scripted already, from the target's greedy continuation (true token at rank 0, 1 or nowhere)")
     if options.get("target") and not options.get("draft") and not options.get("scripted_draft"):
         raise VerifyError("--target needs --draft, or --scripted-draft to build a scripted draft from the tree's DFlashDraftModel")
-    cfg = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}, "tree": str(tree.resolve())}
+    try:
+        plan = decoders.plan(tree, options.get("entries"), tuple(options.get("exclude") or ()))
+    except ValueError as exc:
+        raise VerifyError(str(exc)) from None
+    if not plan["decoders"]:
+        raise VerifyError(f"no DDTree/DFlash decoder found in {tree} ({decoders.LOOKED_FOR})")
+    if not options.get("target") and not options.get("presets"):  # the default: a random preset and the trained pair
+        options = {**options, "pairs": [pair_options(name, options) for name in DEFAULT_PAIRS]}
+    cfg = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}, "tree": str(tree.resolve()), "plan": plan}
     env = child_env()
     start = time.perf_counter()
     log: list[str] = []
     result = None
     deadline = start + timeout
     with tempfile.TemporaryDirectory(prefix="ddpatch-verify-") as workdir:
-        child = _forked_child(cfg, env, workdir, deadline) or _FreshChild(cfg, env, workdir)
+        children = []
         try:
-            result = _read_events(child, deadline, progress, log)
+            for part in split(cfg):
+                children.append(_forked_child(part, env, workdir, deadline) or _FreshChild(part, env, workdir))
+            results = [_read_events(child, deadline, progress, log) for child in children] if len(children) == 1 else \
+                _read_all(children, deadline, progress, log)
         finally:
-            child.kill()
+            for child in children:
+                child.kill()
+    result = merged(results)
     seconds = time.perf_counter() - start
     if result is None:
         if seconds >= timeout:
@@ -82,6 +104,32 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
     if result.get("fatal"):
         raise VerifyError(result["fatal"])
     return Outcome(result, seconds, log)
+
+
+def split(cfg: dict) -> list[dict]:
+    """The children one verify runs: the random presets and the model pairs (the trained pair) in two processes side by
+    side where the machine has a second core (each is one thread: tiny models gain nothing from more), else one."""
+    if not cfg.get("pairs") or not cfg.get("presets") or cfg.get("target") or (os.cpu_count() or 1) < 2:
+        return [cfg]
+    return [{**cfg, "pairs": None}, {**cfg, "presets": []}]
+
+
+def merged(results: list) -> dict | None:
+    """One result from the children's: the first one's tree-wide checks (the same tree, loaded alike), every model."""
+    if any(r is None for r in results):
+        return None
+    for key in ("crash", "fatal"):
+        bad = next((r for r in results if r.get(key)), None)
+        if bad is not None:
+            return bad
+    first = dict(results[0])
+    for other in results[1:]:
+        names = {c["check"] for c in first.get("checks", [])}
+        first["checks"] = first.get("checks", []) + [c for c in other.get("checks", []) if c["check"] not in names or not c["passed"]]
+        first["models"] = first.get("models", []) + other.get("models", [])
+        for key, value in other.items():
+            first.setdefault(key, value)
+    return first
 
 
 def child_env() -> dict:
@@ -213,7 +261,13 @@ def warm_verifier():
     environment) forks its children from one process that imported torch and transformers
     once, instead of starting a fresh Python per tree: about half of a tiny-preset verify's
     time. Every tree is still judged in a process of its own (see ``warm.py``). A request it
-    cannot serve exactly, or a warm verifier that died, falls back to a fresh process."""
+    cannot serve exactly, or a warm verifier that died, falls back to a fresh process.
+
+    The server's standard input is a pipe that only this process writes to: when this process
+    ends, however it ends (SIGKILL included), the kernel closes it and the server exits with
+    its children; on Linux the parent-death signal tells it too (the kernel sends it when the
+    thread that entered this block ends: leave the block in the thread that entered it).
+    ``DDPATCH_WARM_IDLE`` (seconds, default 900, 0 never) ends a server nobody asked anything for that long."""
     if os.environ.get(WARM_ENV):
         yield os.environ[WARM_ENV]  # one already serves this process
         return
@@ -221,8 +275,8 @@ def warm_verifier():
     path = os.path.join(folder, "socket")
     proc = subprocess.Popen(
         [sys.executable, str(WORKER), "--serve", path],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        cwd=folder, env=child_env(), start_new_session=True,
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=folder, env={**child_env(), PARENT_ENV: str(os.getpid())}, start_new_session=True,
     )
     for _ in range(200):  # it binds before it imports: a request waits in its backlog, not on a missing file
         if os.path.exists(path) or proc.poll() is not None:
@@ -234,6 +288,7 @@ def warm_verifier():
     finally:
         if os.environ.get(WARM_ENV) == path:
             del os.environ[WARM_ENV]
+        proc.stdin.close()  # the server's cue to exit with its children (the SIGTERM below is the same)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -242,6 +297,45 @@ def warm_verifier():
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _read_all(children: list, deadline: float, progress, log: list[str]) -> list:
+    """Each child's result, reading their events as they come (a child that dies gives None)."""
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    results: dict[int, dict | None] = {}
+    for i, child in enumerate(children):
+        sel.register(child.stdout, selectors.EVENT_READ, i)
+    while len(results) < len(children):
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0:
+            break
+        ready = sel.select(timeout=min(remaining, 1.0))
+        if not ready:
+            for i, child in enumerate(children):
+                if i not in results and child.exited():
+                    results[i] = None
+                    sel.unregister(child.stdout)
+            continue
+        for key, _ in ready:
+            i, child = key.data, children[key.data]
+            line = child.stdout.readline()
+            if not line:
+                results[i] = None
+                sel.unregister(child.stdout)
+                continue
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                log.append(line)
+                continue
+            if event.get("event") == "progress" and progress is not None:
+                progress(event)
+            elif event.get("event") == "result":
+                results[i] = event["result"]
+                sel.unregister(child.stdout)
+    return [results.get(i) for i in range(len(children))]
 
 
 def _read_events(child, deadline: float, progress, log: list[str]) -> dict | None:

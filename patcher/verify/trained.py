@@ -34,6 +34,22 @@ def load_folder_target(name: str):
     return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32, local_files_only=True).eval()
 
 
+#: A folder preset's settings when it runs beside other presets (the default verify): the prompts and length its
+#: stored floor covers, and the budgets at which a tree-construction bug shows (at budgets 8 and 16 the planted ones did).
+PAIR_DEFAULTS = {"dtype": "float32", "block_size": 8, "tree_budgets": [8, 16], "prompts": 8, "max_new_tokens": 64}
+
+
+def pair_options(name: str, options: dict) -> dict:
+    """What the verifier's child runs a folder preset with beside other presets: its folders, its defaults, and the
+    user's own prompts, length and budgets where given."""
+    target, draft = FOLDER_PRESETS[name]
+    for folder in (target, draft):
+        if not (folder / "model.safetensors").is_file():
+            raise ValueError(f"--preset {name}: {folder} holds no model.safetensors (run tools/train_tiny_pair.py)")
+    given = {k: options[k] for k in ("tree_budgets", "prompts", "max_new_tokens") if options.get(k) is not None}
+    return {"label": name, "target": str(target), "draft": str(draft), "scripted_draft": None, "seeds": [0], **PAIR_DEFAULTS, **given}
+
+
 def folder_preset_options(options: dict) -> dict:
     """Verify options with a folder preset replaced by its ``target``/``draft`` folders (and its defaults).
 
@@ -43,8 +59,10 @@ def folder_preset_options(options: dict) -> dict:
     chosen = [n for n in names if n in FOLDER_PRESETS]
     if not chosen:
         return options
-    if len(names) > 1:
-        raise ValueError(f"--preset {chosen[0]} is a pair of model folders: verify it alone, not with {', '.join(n for n in names if n != chosen[0])}")
+    if options.get("target") or options.get("draft"):
+        raise ValueError(f"--preset {chosen[0]} brings its own --target and --draft folders: pass either, not both")
+    if len(names) > 1:  # beside other presets it runs as a pair (``pair_options``)
+        return options
     if options.get("target") or options.get("draft"):
         raise ValueError(f"--preset {chosen[0]} brings its own --target and --draft folders: pass either, not both")
     target, draft = FOLDER_PRESETS[chosen[0]]

@@ -18,6 +18,12 @@ when this process cannot stand in for a fresh one (another ddpatch checkout, ano
 Python, or an environment variable read at import time that differs): the caller then
 starts a fresh process, so a warm verifier never changes a verdict.
 
+It never outlives the run that started it: it exits, killing the process groups of the children it
+forked, when that run closes its standard input (on exit, or when the kernel closes it for a run
+that was killed, SIGKILL included), when the kernel sends the parent-death signal (Linux), when it
+gets SIGTERM, and after ``DDPATCH_WARM_IDLE`` seconds (default 900, ``0`` never) with no request and
+no child running. A later request finds no server and goes to a fresh process.
+
 This module imports only the stdlib at import time, like the rest of the child's side.
 """
 
@@ -25,9 +31,12 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import signal
 import socket
+import stat
 import sys
+import time
 from pathlib import Path
 
 #: Environment variables read when torch, transformers or huggingface_hub are imported (or
@@ -47,6 +56,37 @@ PRELOAD = (
 )
 
 MAX_REQUEST = 4 << 20
+
+#: Seconds with no request and no child running after which a warm verifier exits (0: never).
+IDLE_ENV, IDLE_DEFAULT = "DDPATCH_WARM_IDLE", 900.0
+#: The pid of the process that started this warm verifier (set by ``runner.warm_verifier``).
+PARENT_ENV = "DDPATCH_WARM_PARENT"
+PR_SET_PDEATHSIG = 1
+#: The process groups of the children this server forked (each led by its child), recorded at the
+#: fork, before the pid is answered: an exit a moment later must find it.
+CHILDREN: set[int] = set()
+
+
+def idle_seconds(env=os.environ) -> float | None:
+    """``DDPATCH_WARM_IDLE`` in seconds (None: never exit for idleness)."""
+    try:
+        value = float(env.get(IDLE_ENV, IDLE_DEFAULT))
+    except ValueError:
+        value = IDLE_DEFAULT
+    return value if value > 0 else None
+
+
+def die_with_parent(sig: int) -> bool:
+    """Ask the kernel for ``sig`` when the parent exits (Linux ``PR_SET_PDEATHSIG``); False where unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        ulong = ctypes.c_ulong  # prctl reads its variadic arguments as unsigned long
+        return ctypes.CDLL(None, use_errno=True).prctl(ctypes.c_int(PR_SET_PDEATHSIG), ulong(sig), ulong(0), ulong(0), ulong(0)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def import_time_env(env: dict) -> dict:
@@ -81,22 +121,75 @@ def refusal(request: dict, started_env: dict, worker: str) -> str | None:
 
 
 def serve(path: str, answer, blocker, sibling, worker: str) -> int:
-    """Answer requests on the socket at ``path`` until the caller closes it (``answer(cfg)``
-    judges one tree in the forked child and prints its events)."""
+    """Answer requests on the socket at ``path`` until the run that started it is gone (its end of
+    our standard input closed, the parent-death signal, SIGTERM) or idle (``answer(cfg)`` judges one
+    tree in the forked child and prints its events)."""
     started_env = import_time_env(dict(os.environ))
+    children = CHILDREN
+    server = os.getpid()
+    signal.signal(signal.SIGTERM, lambda *_: _exit(children, path) if os.getpid() == server else os._exit(1))
+    die_with_parent(signal.SIGTERM)
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent and os.getppid() != int(parent):  # it died before the kernel was asked to tell us
+        _exit(children, path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)  # before the imports: a first request waits in the backlog meanwhile
     listener.listen(16)
     preload(sibling)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    events = selectors.DefaultSelector()
+    events.register(listener, selectors.EVENT_READ, "request")
+    if stat.S_ISFIFO(os.fstat(0).st_mode):  # the starting run holds the other end: EOF when it is gone
+        events.register(0, selectors.EVENT_READ, "parent")
+    idle = idle_seconds()
+    last = time.monotonic()
     while True:
-        conn, _ = listener.accept()
-        with conn:
+        children -= {pid for pid in children if not _group_alive(pid)}
+        if children:  # a verify running is not idleness; polled, since the kernel reaps them unseen
+            last, timeout = time.monotonic(), 1.0
+        elif idle is None:
+            timeout = None
+        elif (timeout := last + idle - time.monotonic()) <= 0:
+            _exit(children, path)
+        for key, _ in events.select(timeout=timeout):
+            if key.data == "parent":
+                if not os.read(0, 1 << 12):
+                    _exit(children, path)
+                continue
+            conn, _ = listener.accept()
+            last = time.monotonic()
+            with conn:
+                try:
+                    _one_request(conn, listener, started_env, answer, blocker, worker)
+                except Exception:  # noqa: BLE001  (a bad request, a caller gone: the next one is served)
+                    pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _exit(children: set[int], path: str) -> None:
+    """Kill the process groups of the children still running (a tree's own subprocesses with them), remove the socket, exit."""
+    for pid in list(children):
+        for kill in (os.killpg, os.kill):  # the child too, should its group not be made yet
             try:
-                _one_request(conn, listener, started_env, answer, blocker, worker)
-            except Exception:  # noqa: BLE001  (a bad request, a caller gone: the next one is served)
+                kill(pid, signal.SIGKILL)
+            except OSError:
                 pass
+    for remove in (os.unlink, os.rmdir):  # the socket, then its private folder (the starting run removes it too)
+        try:
+            remove(path)
+        except OSError:
+            pass
+        path = os.path.dirname(path)
+    os._exit(0)
 
 
 def _one_request(conn, listener, started_env: dict, answer, blocker, worker: str) -> None:
@@ -118,6 +211,7 @@ def _one_request(conn, listener, started_env: dict, answer, blocker, worker: str
         listener.close()
         conn.close()
         _child(request, fds[0], answer, blocker)  # never returns
+    CHILDREN.add(pid)
     os.close(fds[0])
     # The child leads its own process group before its pid is answered: the caller's timeout
     # kills that group (os.killpg(pid)), and a group the child had not made yet (it had not

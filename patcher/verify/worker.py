@@ -15,23 +15,12 @@ works and a final ``{"event": "result", ...}``. The work is in its sibling modul
 
 from __future__ import annotations
 
-import ast
-import fnmatch
 import importlib
 import json
 import sys
 import traceback
 from pathlib import Path
 from typing import Any
-
-#: role -> the names it has in the upstream layouts the recipe declares (first found wins):
-#: DFlash's April 2026 layout has its chain decoder as benchmark.py's private ``_dflash_generate``.
-ENTRY_POINTS = {
-    "dflash_generate": ("dflash_generate", "_dflash_generate"),
-    "ddtree_generate": ("ddtree_generate",),
-    "DFlashDraftModel": ("DFlashDraftModel",),
-}
-
 
 # ----------------------------------------------------------------------------- ddpatch stays out of the tree's reach
 #: The name the verifier's own modules (this folder) are imported under in the child.
@@ -99,45 +88,6 @@ def ddpatch_modules() -> list[str]:
     return sorted(m for m in sys.modules if m == "patcher" or m.startswith("patcher."))
 
 
-# ----------------------------------------------------------------------------- the tree
-def _excluded(rel: Path, pattern: str) -> bool:
-    """``--exclude``'s reading (patcher.engine.pipeline.exclude_globs): a name anywhere, or a path from the root."""
-    pattern = pattern.strip().removeprefix("./").rstrip("/")
-    if "/" not in pattern:
-        return any(fnmatch.fnmatch(part, pattern) for part in rel.parts)
-    return any(fnmatch.fnmatch(rel.as_posix(), g) for g in (pattern, pattern + "/*"))
-
-
-def find_entry_points(tree: Path, exclude=()) -> dict[str, tuple[str, str]]:
-    """Per role, the module and the name defining it, from a static scan (nothing is imported); ``exclude``: the
-    ``--exclude`` patterns (a name anywhere, or a path from the tree's root), as check reads them."""
-    found: dict[str, tuple[str, str]] = {}
-    for path in sorted(tree.rglob("*.py")):
-        rel = path.relative_to(tree)
-        if any(part.startswith(".") or part in ("tests", "build", "__pycache__") for part in rel.parts):
-            continue
-        if any(_excluded(rel, p) for p in exclude):
-            continue
-        try:
-            module = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, OSError):
-            continue
-        names = {n.name for n in module.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-        dotted = ".".join(rel.with_suffix("").parts)
-        if dotted.endswith(".__init__"):
-            dotted = dotted[: -len(".__init__")]
-        for role, spellings in ENTRY_POINTS.items():
-            for rank, name in enumerate(spellings):
-                if name in names and (role not in found or rank < found[role][2]):
-                    found[role] = (dotted, name, rank)
-    return {role: (module, name) for role, (module, name, _) in found.items()}
-
-
-def import_entry_points(tree: Path, modules: dict[str, tuple[str, str]]) -> dict[str, Any]:
-    sys.path.insert(0, str(tree))
-    return {role: getattr(importlib.import_module(module), name) for role, (module, name) in modules.items()}
-
-
 # ----------------------------------------------------------------------------- main
 TINY_PARAMS = 50_000_000
 
@@ -154,57 +104,89 @@ def run(cfg: dict) -> dict:
     import torch
     import transformers
 
-    binding, checks, models, events = sibling("binding"), sibling("checks"), sibling("models"), sibling("events")
+    checks, models, events, decoders, methods = (sibling(n) for n in ("checks", "models", "events", "decoders", "methods"))
 
     tree = Path(cfg["tree"]).resolve()
     env = {"transformers": transformers.__version__, "torch": torch.__version__, "python": sys.version.split()[0]}
     result: dict[str, Any] = {"tree": str(tree), "environment": env, "checks": [], "models": []}
-    modules = find_entry_points(tree, cfg.get("exclude") or ())
-    missing = [" or ".join(ENTRY_POINTS[n]) for n in ("dflash_generate", "DFlashDraftModel") if n not in modules]
-    if missing:
-        result["fatal"] = f"no DDTree/DFlash decoder found in {tree} (looked for {', '.join(missing)})"
+    plan = cfg.get("plan") or decoders.plan(tree, cfg.get("entries"), tuple(cfg.get("exclude") or ()))
+    if not plan["decoders"]:
+        result["fatal"] = f"no DDTree/DFlash decoder found in {tree} ({decoders.LOOKED_FOR})"
         return result
-    try:
-        fns = import_entry_points(tree, modules)
-        result["checks"].append({"check": "loads", "passed": True, "evidence": ", ".join(f"{n} from {m}" for m, n in modules.values())})
-    except Exception as exc:
-        err = events.error_summary(exc)
-        result["checks"].append({"check": "loads", "passed": False, "evidence": err["error"], **err})
+    budgets = sorted(set(cfg["tree_budgets"]) | {b for pair in cfg.get("pairs") or () for b in pair.get("tree_budgets") or ()})
+    loaded = methods.load(tree, plan, budgets, events.error_summary)
+    if loaded.problems:
+        d, err = loaded.problems[0]
+        result["checks"].append({"check": "loads", "passed": False, **err,
+                                 "evidence": f"{d['file']}:{d['qualname']}: {err['error']}"})
+        result["checks"].append(methods.coverage_check(loaded.decoders, plan["unparsed"], loaded.drafter_notes))
         return result
-    for role in ("dflash_generate", "ddtree_generate"):
-        if role in fns:
-            try:
-                binding.bind_roles(fns[role])
-            except binding.BindError as exc:
-                result["checks"].append({"check": "binds the decoders' parameters", "passed": False, "evidence": str(exc)})
-                return result
-    draft_cls = fns["DFlashDraftModel"]
+    result["checks"].append({"check": "loads", "passed": True, "evidence": ", ".join(
+        [f"{d['qualname']} from {d['module']}" for d in plan["decoders"]] + [f"{n} from {c.__module__}" for n, c in loaded.drafters.items()])})
+    result["checks"].append(methods.coverage_check(loaded.decoders, plan["unparsed"], loaded.drafter_notes))
+    result["decoders"] = loaded.decoders
+    if not loaded.methods:
+        return result
     if not cfg.get("target"):
         single_thread_for_tiny_models()
     if cfg.get("target"):
-        target, draft, mask = models.load_real(cfg, draft_cls)
+        target, drafts, mask, notes = models.load_real(cfg, loaded.drafters, loaded.primary)
         if sum(p.numel() for p in target.parameters()) < TINY_PARAMS:
             single_thread_for_tiny_models()
-        models.check_fit(target, draft)
+        for draft in drafts.values():
+            models.check_fit(target, draft)
         vocab = target.config.get_text_config(decoder=True).vocab_size
         prompts, stops = models.tokenized_prompts(cfg, cfg["prompts"], min(vocab, mask if mask is not None else vocab))
         floor, missing = sibling("acceptance").find(cfg)  # a pair with a stored acceptance floor runs on its prompts
         if floor is not None:
             prompts = [torch.tensor([ids]) for ids in sibling("acceptance").prompts_of(floor, cfg["prompts"])]
-        cfg = {**cfg, "stop_token_ids": stops, "acceptance_floor": floor, "acceptance_floor_missing": missing}
+        run_cfg = {**cfg, "stop_token_ids": stops, "acceptance_floor": floor, "acceptance_floor_missing": missing}
         events.emit("progress", done=0, total=1, label="loaded " + Path(cfg["target"]).name)
-        result["models"].append(checks.verify_model(Path(cfg["target"]).name, cfg, fns, target, draft, mask, False, prompts,
-                                             scripted=bool(cfg.get("scripted_draft")),
-                                             choose_mask=bool(cfg.get("scripted_draft")) and not cfg.get("draft")))
+        result["models"].append(checks.verify_model(cfg.get("label") or Path(cfg["target"]).name, run_cfg, loaded, target, drafts,
+                                                    mask, False, prompts, scripted=bool(cfg.get("scripted_draft")),
+                                                    choose_mask=bool(cfg.get("scripted_draft")) and not cfg.get("draft"), notes=notes))
         result["loaded"] = models.loaded_with(target, cfg)
-    else:
-        for preset in cfg["presets"]:
-            target, draft, mask = models.load_preset(preset, cfg["seeds"][0], draft_cls, cfg["block_size"], bool(cfg.get("default_init")),
-                                         sampling=checks.sampling_of(cfg) is not None)
-            models.check_fit(target, draft)
-            prompts = models.random_prompts(cfg["prompts"] * len(cfg["seeds"]), cfg["prompt_len"], cfg["seeds"][0], mask)
-            result["models"].append(checks.verify_model(preset, cfg, fns, target, draft, mask, True, prompts))
+        return result
+    for preset in cfg["presets"]:
+        for sampled in passes(cfg, loaded):
+            pass_cfg = {**cfg, **sampled}
+            target, drafts, mask, notes = models.load_preset(preset, cfg["seeds"][0], loaded.drafters, cfg["block_size"],
+                                                             bool(cfg.get("default_init")), sampling=checks.sampling_of(pass_cfg) is not None)
+            for draft in drafts.values():
+                models.check_fit(target, draft)
+            prompts = models.random_prompts(pass_cfg["prompts"] * len(pass_cfg["seeds"]), cfg["prompt_len"], cfg["seeds"][0], mask)
+            label = preset if not sampled.get("sampled_pass") else f"{preset} (sampled)"
+            result["models"].append(checks.verify_model(label, pass_cfg, loaded, target, drafts, mask, True, prompts, notes=notes))
+    for pair in cfg.get("pairs") or ():
+        pair_cfg = {**cfg, **pair}
+        target, drafts, mask, notes = models.load_real(pair_cfg, loaded.drafters, loaded.primary)
+        floor, missing = sibling("acceptance").find(pair_cfg)
+        prompts, stops = models.tokenized_prompts(pair_cfg, pair_cfg["prompts"], target.config.get_text_config(decoder=True).vocab_size)
+        if floor is not None:
+            prompts = [torch.tensor([ids]) for ids in sibling("acceptance").prompts_of(floor, pair_cfg["prompts"])]
+        pair_cfg.update(stop_token_ids=stops, acceptance_floor=floor, acceptance_floor_missing=missing)
+        events.emit("progress", done=0, total=1, label=f"loaded {pair['label']}")
+        result["models"].append(checks.verify_model(pair["label"], pair_cfg, loaded, target, drafts, mask, False, prompts, notes=notes))
     return result
+
+
+def passes(cfg: dict, loaded) -> list[dict]:
+    """The passes over a random preset: greedy, then, by default, sampled for the decoders that take a temperature
+    (``--temperature`` alone: only sampled; ``--greedy-only``: only greedy)."""
+    if cfg.get("temperature"):
+        return [{}]
+    out = [{}]
+    takes = any(m.takes_temperature() for m in loaded.methods if not m.drafter_method)
+    if takes and not cfg.get("greedy_only"):
+        out.append({"temperature": SAMPLED_PASS["temperature"], "sampled_pass": True,
+                    "prompts": min(cfg["prompts"], SAMPLED_PASS["prompts"]), "seeds": cfg["seeds"][:1],
+                    "sampling_runs": cfg.get("sampled_pass_runs", SAMPLED_PASS["sampling_runs"])})
+    return out
+
+
+#: The sampled pass a default verify adds where a decoder takes a temperature: the logits oracle on every committed
+#: row of a few sampled decodes, and a distributional test of the second new token.
+SAMPLED_PASS = {"temperature": 1.0, "prompts": 2, "sampling_runs": 200}
 
 
 def answer(cfg: dict, blocker: NoDdpatch) -> None:

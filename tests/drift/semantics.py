@@ -144,9 +144,21 @@ def decode_unpatched(root: Path, base: str, seed: int = 0) -> dict[str, tuple[li
             else:
                 args = (draft, target, prompt, NEW_TOKENS, None, 0.0, BLOCK, MASK_TOKEN_ID)
                 scripted("dflash", lambda: dflash_mod.dflash_generate(*args))
+                # a drafter subclass the tree defines (DFlash2) has a decode path of its own: run it too
+                for sub in _subclasses(dflash_mod, draft_cls):
+                    torch.manual_seed(seed + 1)
+                    draft = sub(draft_config(target, sub.config_class, num_layers=2, block_size=BLOCK, sliding_window=16)).eval()
+                    args = (draft, target, prompt, NEW_TOKENS, None, 0.0, BLOCK, MASK_TOKEN_ID)
+                    scripted(f"dflash:{sub.__name__}", lambda: dflash_mod.dflash_generate(*args))
             return runs
     finally:
         torch.set_num_threads(before)
+
+
+def _subclasses(module, base: type) -> list[type]:
+    """The classes ``module`` defines that derive from ``base`` (DFlash2's drafter derives from DFlash's)."""
+    return [c for c in vars(module).values()
+            if isinstance(c, type) and issubclass(c, base) and c is not base and c.__module__ == module.__name__]
 
 
 def load_draft_class(root: Path, base: str):

@@ -1096,4 +1096,7 @@ _CACHE_KEYWORD = [
 VARIANTS.extend(_CACHE_KEYWORD)
 BY_NAME.update({v.name: v for v in _CACHE_KEYWORD})
 
+# Each module below appends its variants to VARIANTS and BY_NAME when it is first imported; importing either one
+# first imports this module, whose last lines then import the other: every variant is registered once, in any order.
+from . import variants_newest  # noqa: E402,F401  (DFlash's newest upstream: registers its variants here)
 from . import variants_forks  # noqa: E402,F401  (registers the shapes of real forks, issue 39)

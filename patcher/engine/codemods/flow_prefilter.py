@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ast
 
-from .base import RUNTIME_MODULE, ast_dotted, ast_nodes
+from .base import RUNTIME_MODULE, ast_dotted, ast_inside, ast_nodes
 
 
 def may_have_roles(tree) -> bool:
@@ -14,19 +14,31 @@ def may_have_roles(tree) -> bool:
     A call with ``target_hidden=``, a call through the runtime, a function calling two
     different models with ``past_key_values=`` (a drafter fed another model's features), or
     one model with a cache and a parameter given that model's features positionally.
+    Several steps ask about the same tree: the answer is kept on it.
     """
+    known = tree.__dict__.get("_ddpatch_roles")
+    if known is None:
+        known = tree._ddpatch_roles = _roles(tree)
+    return known
+
+
+def _roles(tree) -> bool:
+    model_calls = []  # calls with past_key_values= on something other than self/cls
     for call in ast_nodes(tree, ast.Call):
         if any(k.arg == "target_hidden" for k in call.keywords):
             return True
         func = call.func
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == RUNTIME_MODULE:
             return True
+        if any(k.arg == "past_key_values" for k in call.keywords) and (ast_dotted(func) or "self").split(".")[0] not in ("self", "cls"):
+            model_calls.append(call)
+    if not model_calls:
+        return False  # no function of the file calls a model with a cache (most files: a function is not walked at all)
     for fn in ast_nodes(tree, ast.FunctionDef, ast.AsyncFunctionDef):
-        every = [c for c in ast.walk(fn) if isinstance(c, ast.Call)]
-        calls = [c for c in every if any(k.arg == "past_key_values" for k in c.keywords)
-                 and (ast_dotted(c.func) or "self").split(".")[0] not in ("self", "cls")]
+        calls = [c for c in model_calls if _within(c, fn)]
         if not calls:
             continue
+        every = [c for c in ast.walk(fn) if isinstance(c, ast.Call)]
         callees = {ast_dotted(c.func) for c in calls} - {None}
         # a drafter given the features positionally with no cache (`model.topk_generate(hidden, ...)`): a parameter's call
         params = {a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs} - {"self", "cls"}
@@ -52,6 +64,12 @@ def may_have_roles(tree) -> bool:
             if len(others) > 1 and any(_ast_fed(arg, callee, others, assigned, 6, set()) for arg in call.args):
                 return True
     return False
+
+
+def _within(node: ast.AST, fn: ast.AST) -> bool:
+    """Whether ``node`` is inside function ``fn`` (as ``ast.walk(fn)`` would reach it), by source spans: the
+    ``def`` line to the end of the body, or one of its decorators (which lie above the ``def`` line)."""
+    return ast_inside(node, fn) or any(ast_inside(node, d) for d in fn.decorator_list)
 
 
 def _ast_fed(expr, callee: str, models: set, assigned: dict, depth: int, seen: set) -> bool:

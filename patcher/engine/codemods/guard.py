@@ -5,12 +5,22 @@ at start-up, raises on a machine without CUDA; the verifier runs on CPU. The sta
 is wrapped in ``if torch.cuda.is_available():``. Calls are matched by qualified name,
 so ``from torch import cuda; cuda.synchronize()`` is found too.
 
+The guard imports nothing at module level that the module did not already import there:
+a module that keeps torch lazy (DFlash's ``benchmark.py`` imports it inside
+``_run_transformers``, so that its sglang, vLLM and MLX clients load without torch, and
+upstream's own ``tests/test_package.py`` checks that) stays lazy. The guard is spelled
+through the call's own receiver (``torch.cuda.set_device(...)`` after a local ``import
+torch`` is guarded by that same ``torch``; ``cuda.synchronize()`` by ``cuda.is_available()``),
+so it resolves where the call resolves. Only a call with no such receiver (``from
+torch.cuda import synchronize``) needs ``import torch``: at module level where the module
+already imports torch there unconditionally, otherwise right before the guard.
+
 Statuses and the evidence each rests on:
 
 * ``applied`` -- the statement calling a listed function (by qualified name) is now inside
-  ``if torch.cuda.is_available():``.
-* ``already-applied`` / ``fixed-upstream`` -- it already is inside that exact guard
-  (``already-applied`` with ddpatch's provenance line); ``fixed-upstream`` also for a
+  ``if torch.cuda.is_available():`` (spelled through the call's receiver, as above).
+* ``already-applied`` / ``fixed-upstream`` -- it already is inside that exact guard, in either
+  spelling (``already-applied`` with ddpatch's provenance line); ``fixed-upstream`` also for a
   statement inside another ``if`` that tests CUDA or the device, for a call in a
   conditional expression or an ``and`` whose test does (``sync() if torch.cuda.is_available() else None``),
   for one inside a ``try`` whose handler catches what it raises without CUDA (``except Exception``,
@@ -60,6 +70,20 @@ class GuardCall(Step):
                     torch.cuda.synchronize()
                 return time.perf_counter()
             """,
+        ),
+        Example(
+            """
+            def run(args):
+                import torch
+                torch.cuda.set_device(args.rank)
+            """,
+            """
+            def run(args):
+                import torch
+                if torch.cuda.is_available():
+                    torch.cuda.set_device(args.rank)
+            """,
+            "torch imported lazily: the guard uses that import, and the module stays torch-free",
         ),
         Example(
             """
@@ -113,6 +137,7 @@ class GuardCall(Step):
         self._catching: list[str] = []  # handlers of the enclosing ``try`` bodies that catch a call's error without CUDA
         self._suspended: list = []
         self._unprotected: set[int] = set()  # a try's else and finally blocks
+        self._module_imports: set[str] = set()  # top-level packages the module imports unconditionally at top level
 
     def _listed(self, node: cst.BaseExpression) -> bool:
         if not isinstance(node, cst.Call):
@@ -174,6 +199,28 @@ class GuardCall(Step):
         if isinstance(node.operator, cst.And):
             self._conditional(node, node.left, [node.right])
 
+    def visit_Module(self, node: cst.Module) -> None:
+        for stmt in node.body:
+            if not isinstance(stmt, cst.SimpleStatementLine):
+                continue  # an import under `try:` / `if TYPE_CHECKING:` may not run: not a promise to rely on
+            for small in stmt.body:
+                if isinstance(small, cst.Import):
+                    self._module_imports.update(code(a.name).split(".")[0] for a in small.names)
+                elif isinstance(small, cst.ImportFrom) and not small.relative and small.module is not None:
+                    self._module_imports.add(code(small.module).split(".")[0])
+
+    def _guard_for(self, call: cst.Call) -> tuple[str, bool]:
+        """The guard for ``call`` and whether it needs ``guard_import``: spelled through the call's receiver
+        where that receiver is the guard's own module (``cuda.synchronize()`` -> ``cuda.is_available()``)."""
+        guard = self.params["guard"]
+        callee = guard.split("(", 1)[0].strip()
+        module, _, name = callee.rpartition(".")
+        if module and isinstance(call.func, cst.Attribute):
+            receiver = call.func.value
+            if module in {q.name for q in self.get_metadata(QualifiedNameProvider, receiver, set())}:
+                return f"{code(receiver)}.{name}{guard[len(callee):]}", False
+        return guard, bool(self.params["guard_import"])
+
     def _guarded_call(self, stmt: cst.SimpleStatementLine) -> cst.Call | None:
         if len(stmt.body) != 1 or not isinstance(stmt.body[0], cst.Expr):
             return None
@@ -195,7 +242,8 @@ class GuardCall(Step):
         if call is None:
             return updated_node
         what = code(call.func)
-        if self._guards and self._guards[-1] == self.params["guard"]:
+        guard, needs_import = self._guard_for(call)
+        if self._guards and self._guards[-1] in (guard, self.params["guard"]):
             self.record(original_node, PATCHED, f"`{what}()` already guarded")
             return updated_node
         if any("cuda" in g or "device" in g for g in self._guards):
@@ -205,14 +253,22 @@ class GuardCall(Step):
             caught = next(c for c in reversed(self._catching) if c)
             self.record(original_node, FIXED_UPSTREAM, f"`{what}()` guarded by upstream: its `try` catches `{caught}`")
             return updated_node
-        self.record(original_node, APPLIED, f"`{what}()` now runs only if {self.params['guard']}")
-        if self.params["guard_import"]:
-            AddImportsVisitor.add_needed_import(self.context, self.params["guard_import"])
-        return cst.If(
-            test=cst.parse_expression(self.params["guard"]),
+        self.record(original_node, APPLIED, f"`{what}()` now runs only if {guard}")
+        wrapped = cst.If(
+            test=cst.parse_expression(guard),
             body=cst.IndentedBlock(body=[updated_node.with_changes(leading_lines=[])]),
             leading_lines=updated_node.leading_lines,
         )
+        package = self.params["guard_import"]
+        if not needs_import:
+            return wrapped
+        if package.split(".")[0] in self._module_imports:
+            AddImportsVisitor.add_needed_import(self.context, package)  # the module imports it there already
+            return wrapped
+        # imported right before the guard, where the call runs: never a new module-level import
+        local = cst.SimpleStatementLine(body=[cst.Import(names=[cst.ImportAlias(name=cst.parse_expression(package))])],
+                                        leading_lines=updated_node.leading_lines)
+        return cst.FlattenSentinel([local, wrapped.with_changes(leading_lines=[])])
 
     def evidence(self, function: cst.FunctionDef) -> str | None:
         text = cst.Module(body=[function]).code

@@ -397,8 +397,10 @@ class WrapCall(Step):
     def _inside_drafter(self, fn: Fn) -> bool:
         """``fn`` is a method of a drafter class (one whose ``forward`` takes ``target_hidden``): the
         calls it makes (DFlash's ``for layer in self.layers: layer(target_hidden=...)``) run inside
-        the drafter call that the decode loop makes, which is the one to wrap."""
-        return bool(fn.owner) and fn.owner in self._drafter_classes()
+        the drafter call that the decode loop makes, which is the one to wrap. Not a method that is
+        itself a decode loop calling the drafter as ``self(...)`` (DDTree's ``spec_generate``): its
+        target's verify and its own draft call are wrapped like any decoder's."""
+        return bool(fn.owner) and fn.owner in self._drafter_classes() and not is_role(fn.role("self"), DRAFTER)
 
     def _only_called_in_loops(self, fn: Fn) -> bool:
         calls = list(self.flow.callers(fn))

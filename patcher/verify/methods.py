@@ -1,0 +1,151 @@
+"""The tree's decoders and drafter classes, imported and bound: what a verify runs.
+
+``decoders.plan`` found them statically; here each decoder's module is imported, the function (or
+the drafter's method) resolved, its parameters bound (``binding``) and its kind read off them:
+``chain`` (a drafter, one block per round), ``tree`` (it takes a tree budget: one method per budget)
+or ``target`` (target-only: no drafter in sight). Each chain or tree decoder runs once with every
+drafter class the tree defines (``DFlashDraftModel``, ``DFlash2DraftModel``, a fork's subclass), so
+that every drafter path of the decoder runs (``isinstance(model, DFlash2DraftModel)`` branches).
+A decoder that cannot be imported or bound is kept, with the reason, for the coverage row.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .binding import BindError, kind_of, required_for
+
+#: decoders a verify runs at most per drafter class beyond the first (each costs a full set of decodes)
+TAKES_TEMPERATURE = ("temperature", "temp")
+
+
+@dataclass
+class Method:
+    name: str  # the report's label: dflash, ddtree_tb4, dflash[DFlash2DraftModel], target_generate ...
+    decoder: dict  # the plan's decoder (file, qualname, label, ...)
+    fn: object | None  # None for a drafter's method: resolved on the drafter it runs with
+    kind: str  # chain | tree | target
+    budget: int | None = None
+    drafter: str | None = None  # the drafter class it runs with (None: target-only)
+    drafter_method: bool = False
+
+    @property
+    def where(self) -> str:
+        return f"{self.decoder['file']}:{self.decoder['qualname']}"
+
+    def callable_for(self, draft):
+        return getattr(draft, self.decoder["qualname"].rsplit(".", 1)[1]) if self.drafter_method else self.fn
+
+    def required(self) -> tuple[str, ...]:
+        return required_for(self.kind, self.drafter_method)
+
+    def takes_temperature(self, draft=None) -> bool:
+        fn = self.callable_for(draft) if self.drafter_method else self.fn
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            return False
+        return any(p.lower() in TAKES_TEMPERATURE for p in params)
+
+
+@dataclass
+class Loaded:
+    methods: list  # Method
+    drafters: dict  # class name -> class (the first definition that imports)
+    primary: str | None  # the drafter class the baseline and target-only methods use
+    decoders: list  # the plan's decoders, each with verified / reason filled in
+    problems: list  # (what, error summary) for the loads check
+    drafter_notes: list  # "DFlashDraftModel (dflash/model_mlx.py): its module does not import: ..."
+
+
+def _import(tree: Path, module: str):
+    if str(tree) not in sys.path:
+        sys.path.insert(0, str(tree))
+    return importlib.import_module(module)
+
+
+def _resolve(module, qualname: str):
+    obj = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def load(tree: Path, plan: dict, budgets: list[int], error_summary) -> Loaded:
+    drafters, notes, problems = {}, [], []
+    for spec in plan["drafters"]:
+        if spec["name"] in drafters:
+            continue
+        try:
+            drafters[spec["name"]] = getattr(_import(tree, spec["module"]), spec["name"])
+        except Exception as exc:
+            notes.append(f"{spec['name']} ({spec['file']}): its module does not import: {error_summary(exc)['error']}")
+    # the base drafter class first (DFlashDraftModel before DFlash2DraftModel(DFlashDraftModel))
+    order = sorted(drafters, key=lambda n: sum(issubclass(drafters[n], c) for c in drafters.values()))
+    primary = order[0] if order else None
+    methods, decoders = [], []
+    for d in plan["decoders"]:
+        d = dict(d)
+        decoders.append(d)
+        try:
+            module = _import(tree, d["module"])
+            obj = _resolve(module, d["qualname"])
+        except Exception as exc:
+            err = error_summary(exc)
+            problems.append((d, err))
+            d.update(verified=False, reason=f"does not import: {err['error']}")
+            continue
+        owner = d["qualname"].rsplit(".", 1)[0] if "." in d["qualname"] else None
+        drafter_method = owner is not None and owner in drafters
+        if owner is not None and not drafter_method:
+            d.update(verified=False, reason=f"a method of {owner}, which is no drafter class: the verifier cannot build its instance "
+                                            "(verify the function that builds it, with --entry)")
+            continue
+        try:
+            kind = kind_of(obj, drafter_method=drafter_method)
+        except BindError as exc:
+            d.update(verified=False, reason=str(exc))
+            continue
+        if kind != "target" and not drafters:
+            d.update(verified=False, reason="the tree defines no drafter class that imports (a class whose forward takes "
+                                            "target_hidden and a noise embedding)")
+            continue
+        classes = [None] if kind == "target" else [n for n in order if not drafter_method or issubclass(drafters[n], drafters[owner])]
+        for cls_name in classes:
+            suffix = "" if cls_name in (None, primary) or (drafter_method and cls_name == owner) else f"[{cls_name}]"
+            for budget in (budgets if kind == "tree" else [None]):
+                name = d["label"] + (f"_tb{budget}" if budget is not None else "") + suffix
+                methods.append(Method(name, d, None if drafter_method else obj, kind, budget, cls_name or primary if kind != "target"
+                                      else None, drafter_method))
+        d.update(verified=True, reason="", kind=kind)
+    for d in plan.get("left_out", []):
+        decoders.append(dict(d))
+    return Loaded(methods, drafters, primary, decoders, problems, notes)
+
+
+def coverage_check(decoders: list[dict], unparsed: list[str], notes: list[str]) -> dict:
+    """``decoders: N found, M verified``: a decoder left out of a file that ddpatch patched is a finding, unless the
+    user left it out (``--entry``) or it is the same code as one verified (``same_as``)."""
+    verified = [d for d in decoders if d.get("verified")]
+    left = [d for d in decoders if not d.get("verified")]
+    finding = [d for d in left if d.get("patched") and not d.get("same_as")]
+    text = f"{len(decoders)} found, {len(verified)} verified"
+    if verified:
+        text += " (" + ", ".join(f"{d['label']} = {d['file']}:{d['qualname']}" + (f", loop in {d['loop']}" if d.get("loop") else "")
+                                 for d in verified) + ")"
+    if left:
+        text += "; not verified: " + "; ".join(f"{d['file']}:{d['qualname']} ({d.get('reason') or 'not run'})" for d in left)
+    if notes:
+        text += "; drafter classes not run: " + "; ".join(notes)
+    if unparsed:
+        text += f"; {len(unparsed)} file(s) not parsed: {', '.join(unparsed[:5])}"
+    check = {"check": "decoders", "passed": bool(verified) and not finding, "evidence": text,
+             "decoders": decoders}
+    if finding:
+        check["evidence"] = (f"{len(finding)} decoder(s) in files ddpatch patched were not verified: "
+                             + "; ".join(f"{d['file']}:{d['qualname']}" for d in finding) + f"; {text}")
+    return check

@@ -1,0 +1,145 @@
+"""Which decoders a tree holds, found by what they do (``patcher.verify.decoders``): a function that runs a model
+with a cache round after round in a loop, whatever its name; the functions that call such a loop where it cannot be
+called itself; a drafter's own decoding method; and ``--entry`` / ``[tool.ddpatch] entry`` to pick by hand.
+Static: nothing here imports a tree or torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from patcher.verify import decoders
+
+ROOT = Path(__file__).resolve().parent.parent
+
+LOOP = """
+from transformers import DynamicCache
+
+
+def {name}({params}):
+    cache = DynamicCache()
+    out = target(input_ids, past_key_values=cache, use_cache=True)
+    while True:
+        out = target(input_ids, past_key_values=cache, use_cache=True)
+        break
+    return input_ids
+"""
+
+
+def write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return root
+
+
+def found(root: Path, **kw) -> dict[str, dict]:
+    plan = decoders.plan(root, **kw)
+    return {f"{d['file']}:{d['qualname']}": d for d in plan["decoders"] + plan["left_out"]}
+
+
+def test_the_vendored_trees_hold_three_and_one_decoders_and_one_drafter_class():
+    ddtree = decoders.plan(ROOT / "vendored" / "ddtree")
+    assert {(d["file"], d["qualname"], d["label"]) for d in ddtree["decoders"]} == {
+        ("ddtree.py", "ddtree_generate", "ddtree"), ("dflash.py", "dflash_generate", "dflash"),
+        ("model/dflash.py", "DFlashDraftModel.spec_generate", "DFlashDraftModel.spec_generate")}
+    assert [d["name"] for d in ddtree["drafters"]] == ["DFlashDraftModel"], "attention and layer classes are no drafters"
+    dflash = decoders.plan(ROOT / "vendored" / "dflash")
+    assert [(d["file"], d["qualname"], d["label"]) for d in dflash["decoders"]] == [("dflash/model.py", "dflash_generate", "dflash")]
+
+
+def test_decoders_are_found_by_what_they_do_not_by_their_name(tmp_path):
+    root = write(tmp_path, {
+        "eagle3.py": LOOP.format(name="eagle3_generate", params="model, target, input_ids, max_new_tokens")
+                     + LOOP.format(name="target_generate", params="target, input_ids, max_new_tokens"),
+        "tools/profile.py": LOOP.format(name="profile_verify", params="args"),
+        # a drafter's forward runs its layers with a cache in a loop: no decoder
+        "draft.py": """
+            class Draft:
+                def forward(self, target_hidden, noise_embedding, past_key_values=None):
+                    for layer in self.layers:
+                        x = layer(x, past_key_value=past_key_values)
+                    return x
+            def run_layers(layers, x, cache):
+                for layer in layers:
+                    x = layer(x, past_key_values=cache)
+                return x
+            """,
+        "no_loop.py": "def once(target, input_ids, cache):\n    return target(input_ids, past_key_values=cache)\n",
+    })
+    got = found(root)
+    assert set(got) == {"eagle3.py:eagle3_generate", "eagle3.py:target_generate", "tools/profile.py:profile_verify"}, got
+    assert got["eagle3.py:eagle3_generate"]["label"] == "eagle3_generate"
+
+
+def test_a_loop_the_verifier_cannot_call_is_reached_through_its_callers(tmp_path):
+    root = write(tmp_path, {"gen.py": """
+        def _rounds(state, cache, block):
+            while state.start < 10:
+                out = state.target(block, past_key_values=cache)
+
+        def dflash_generate(model, target, input_ids, max_new_tokens):
+            return _rounds(None, None, input_ids)
+        """})
+    got = found(root)
+    assert list(got) == ["gen.py:dflash_generate"] and got["gen.py:dflash_generate"]["loop"] == "_rounds"
+    assert got["gen.py:dflash_generate"]["label"] == "dflash"
+
+
+def test_copies_of_one_decoder_are_verified_once_and_the_rest_named(tmp_path):
+    body = LOOP.format(name="dflash_generate", params="model, target, input_ids, max_new_tokens")
+    root = write(tmp_path, {"benchmark.py": body, "alpha/data_collecting.py": body,
+                            "alpha/other.py": body.replace("break", "continue")})
+    plan = decoders.plan(root)
+    chosen = {f"{d['file']}:{d['qualname']}": d["label"] for d in plan["decoders"]}
+    assert chosen == {"benchmark.py:dflash_generate": "dflash", "alpha/other.py:dflash_generate": "dflash_generate@alpha/other.py"}
+    (left,) = plan["left_out"]
+    assert left["file"] == "alpha/data_collecting.py" and "same code as dflash" in left["reason"]
+
+
+def test_more_decoders_than_the_limit_are_named_with_the_way_to_pick(tmp_path):
+    files = {f"m{i}.py": LOOP.format(name=f"gen{i}", params="target, input_ids, max_new_tokens").replace("break", f"x = {i}")
+             for i in range(decoders.MAX_DECODERS + 2)}
+    plan = decoders.plan(write(tmp_path, files))
+    assert len(plan["decoders"]) == decoders.MAX_DECODERS and len(plan["left_out"]) == 2
+    assert all("--entry FILE:FUNCTION" in d["reason"] for d in plan["left_out"])
+
+
+def test_entry_picks_decoders_and_names_a_bad_one(tmp_path):
+    root = write(tmp_path, {"a.py": LOOP.format(name="one", params="target, input_ids, max_new_tokens"),
+                            "b.py": LOOP.format(name="two", params="target, input_ids, max_new_tokens")
+                            + "\ndef helper(target, input_ids):\n    return 1\n"})
+    plan = decoders.plan(root, entries=["b.py:two", "b.py:helper"])
+    assert [d["qualname"] for d in plan["decoders"]] == ["two", "helper"]
+    assert [(d["qualname"], d["reason"]) for d in plan["left_out"]] == [("one", "not picked (--entry)")]
+    for bad, says in (("b.py", "expected FILE:FUNCTION"), ("c.py:two", "no file c.py"), ("b.py:three", "defines no function three")):
+        with pytest.raises(ValueError, match=says):
+            decoders.plan(root, entries=[bad])
+
+
+def test_verify_entry_is_a_usage_error_in_one_line_and_a_tree_without_decoders_exits_2(tmp_path):
+    root = write(tmp_path, {"a.py": "def f():\n    return 1\n"})
+    proc = subprocess.run([sys.executable, "-m", "patcher", "verify", str(root), "--format", "json"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("ddpatch: error:") == 1, proc.stderr
+    assert "no DDTree/DFlash decoder found in" in proc.stderr and json.loads(proc.stdout)["passed"] is False
+    proc = subprocess.run([sys.executable, "-m", "patcher", "verify", str(ROOT / "vendored" / "dflash"), "--entry", "dflash/model.py:nope"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and "defines no function nope" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_decoders_left_out_of_a_patched_file_are_a_finding(tmp_path):
+    from patcher.verify.methods import coverage_check
+
+    left = {"file": "b.py", "qualname": "caddtree_generate", "label": "caddtree_generate", "verified": False,
+            "reason": "cannot call it", "patched": True}
+    ok = {"file": "a.py", "qualname": "dflash_generate", "label": "dflash", "verified": True, "patched": True}
+    check = coverage_check([ok, left], [], [])
+    assert not check["passed"] and "b.py:caddtree_generate" in check["evidence"] and "2 found, 1 verified" in check["evidence"]
+    assert coverage_check([ok, {**left, "patched": False}], [], [])["passed"], "an unpatched file's decoder is named, not failed"
