@@ -301,13 +301,11 @@ def _steps_by_file(before: Path, after: Path) -> dict[str, list[str]]:
 
 
 def require_decoder(path: str | Path, exclude: Iterable[str] = ()) -> None:
-    """Before a verifier starts: a tree with none of the default recipe's decoders, in which the verifier's own discovery
-    (``verify.decoders``: a loop that runs a model with a cache) finds none either, is refused in the one line check gives
-    (a serving engine named as such)."""
+    """Before a verifier starts: a tree with none of the default recipe's decoders is refused in the one line check gives
+    (a serving engine named as such), as check, diff and apply refuse it; ``--entry`` names decoders by hand instead."""
     from .engine.files import defined_functions
     from .engine.pipeline import discover
     from .engine.survey import NotADecoderTree, refuse, survey
-    from .verify import decoders
 
     recipe = load_recipe(DEFAULT_RECIPE)
     root = Path(path).resolve()
@@ -323,7 +321,7 @@ def require_decoder(path: str | Path, exclude: Iterable[str] = ()) -> None:
         for name in defined_functions(text):
             where.setdefault(name, rel)
     found = survey(texts, recipe, recipe.detect_upstream(set(where)), where)
-    if not found.decoders and not decoders.plan(root, None, tuple(exclude))["decoders"]:
+    if not found.decoders:
         try:
             refuse(found, recipe, root)
         except NotADecoderTree as exc:

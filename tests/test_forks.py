@@ -10,7 +10,7 @@ import importlib
 import json
 import shutil
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 from click.testing import CliRunner
@@ -19,6 +19,7 @@ from drift.variants import BY_NAME, VENDORED
 from patcher import api
 from patcher.cli import main
 from patcher.engine.pipeline import _matches, exclude_globs
+from patcher.verify import decoders
 
 RECIPE = ["--recipe", "qwen3_6-gdn", "-j", "1"]
 
@@ -131,7 +132,9 @@ def test_a_guarded_or_lazy_import_is_not_flagged(tmp_path):
 # ----------------------------------------------------------------------------- 3. narrowing a run
 def test_exclude_reads_names_anywhere_and_paths_from_the_root():
     def left_out(pattern, path):
-        return _matches(path, exclude_globs(pattern))
+        said = _matches(path, exclude_globs(pattern))
+        assert decoders.excluded(PurePosixPath(path), pattern) == said, f"verify's decoder search reads {pattern!r} otherwise"
+        return said
 
     assert left_out("analysis", "analysis/target_tok.py") and left_out("analysis/", "a/analysis/x.py")
     assert not left_out("analysis", "analysis_utils.py") and not left_out("analysis", "myanalysis/x.py")
@@ -233,6 +236,21 @@ def test_select_runs_what_it_names_on_any_tree(tmp_path):
     assert result.exit_code == 1 and "cpu-safe-timing" in result.stdout
 
 
+def test_verify_exclude_reaches_the_decoder_search_from_the_cli_and_the_config(tmp_path, monkeypatch):
+    """`verify --exclude` (and `exclude` in [tool.ddpatch]) is the `exclude` option the runner hands `decoders.plan`."""
+    asked = []
+    monkeypatch.setattr(decoders, "plan", lambda tree, entries=None, exclude=(): asked.append(exclude) or {"decoders": []})
+    src = tmp_path / "fork"
+    for folder in ("new", "old"):
+        shutil.copytree(VENDORED / "dflash", src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    result = run("verify", src, "--exclude", "old", "--exclude", "scripts/")
+    [line] = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and line.startswith(f"ddpatch: error: no DDTree/DFlash decoder found in {src.resolve()} (looked for")
+    assert asked == [("old", "scripts/")]
+    (src / "pyproject.toml").write_text('[tool.ddpatch]\nexclude = ["old"]\n')
+    assert run("verify", src).exit_code == 2 and asked[-1] == ("old",)
+
+
 def test_verify_refuses_in_the_parent_before_a_child_starts(tmp_path, monkeypatch):
     started = []
     monkeypatch.setattr("patcher.verify.runner.run_verify", lambda *a, **k: started.append(a))
@@ -245,3 +263,12 @@ def test_verify_refuses_in_the_parent_before_a_child_starts(tmp_path, monkeypatc
         api.verify(src, exclude=["old"])
     api.verify(src)
     assert len(started) == 1, "the child starts only for a tree with a decoder"
+    # a loop no survey calls a DDTree/DFlash decoder is refused as check refuses it, unless --entry names it
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "greedy.py").write_text("def target_generate(target, ids, cache, n):\n    for _ in range(n):\n"
+                                     "        ids = target(ids, past_key_values=cache).logits.argmax(-1)\n    return ids\n")
+    with pytest.raises(api.VerifyError, match="no DDTree/DFlash decoder found in"):
+        api.verify(plain)
+    api.verify(plain, entries=["greedy.py:target_generate"])
+    assert len(started) == 2

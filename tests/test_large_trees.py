@@ -234,10 +234,16 @@ def walked_roles(tree) -> bool:
     for fn in ast.walk(tree):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
-        calls = [c for c in ast.walk(fn) if isinstance(c, ast.Call) and any(k.arg == "past_key_values" for k in c.keywords)]
-        calls = [c for c in calls if (ast_dotted(c.func) or "self").split(".")[0] not in ("self", "cls")]
+        every = [c for c in ast.walk(fn) if isinstance(c, ast.Call)]
+        calls = [c for c in every if any(k.arg == "past_key_values" for k in c.keywords)
+                 and (ast_dotted(c.func) or "self").split(".")[0] not in ("self", "cls")]
+        if not calls:
+            continue
         callees = {ast_dotted(c.func) for c in calls} - {None}
-        if len(callees) < 2:
+        # a drafter given the features positionally with no cache: a parameter's call (issue 39)
+        params = {a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs} - {"self", "cls"}
+        positional = [c for c in every if c.args and c not in calls and (ast_dotted(c.func) or ".").split(".")[0] in params]
+        if len(callees) < 2 and not positional:
             continue
         assigned: dict[str, list] = {}
         for node in ast.walk(fn):
@@ -246,10 +252,15 @@ def walked_roles(tree) -> bool:
                     name = ast_dotted(target)
                     if name:
                         assigned.setdefault(name, []).append(node.value)
-        for call in calls:
+        for call in calls if len(callees) >= 2 else ():
             callee = ast_dotted(call.func)
             if callee and any(_ast_fed(arg, callee, callees, assigned, 6, set()) for arg in
                               [*call.args, *(k.value for k in call.keywords if k.arg != "past_key_values")]):
+                return True
+        for call in positional:
+            callee = ast_dotted(call.func)
+            others = {c for c in callees if c.split(".")[0] != callee.split(".")[0]} | {callee}
+            if len(others) > 1 and any(_ast_fed(arg, callee, others, assigned, 6, set()) for arg in call.args):
                 return True
     return False
 
@@ -285,6 +296,12 @@ def step():
 def run(a, b, ids, c, d):
     a(ids, past_key_values=c)
     b(ids, past_key_values=d)
+""",
+    "one model with a cache, a drafter given its features positionally": """
+def generate(target, model, ids, c):
+    out = target(ids, past_key_values=c, output_hidden_states=True)
+    hidden = out.hidden_states
+    return model.topk_generate(hidden, 4)
 """,
     "one model twice": "def run(m, ids, c):\n    m(ids, past_key_values=c)\n    m(m(ids).hidden_states, past_key_values=c)\n",
     "self's own calls": "class A:\n    def f(self, ids, c):\n        h = self.a(ids, past_key_values=c).hidden_states\n        return self.b(h, past_key_values=c)\n",
