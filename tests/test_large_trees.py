@@ -96,6 +96,20 @@ def test_check_says_what_it_left_out_in_text_and_json(tmp_path):
     assert configured["vendored"] == [] and [f["path"] for f in configured["files"] if f["error"]] == ["third_party/pkg/broken.py"]
 
 
+def test_vendored_and_excluded_folders_are_reported_side_by_side(tmp_path):
+    """A vendored package's ordinary code (`def f(): ...`, `_()`) holds no decoder signal, whatever patterns the steps
+    scan the tree with; what --exclude leaves out has its own line and JSON keys beside the vendored folders."""
+    root = fork(tmp_path, {"third_party/pkg/util.py": "def f():\n    return _()\n\n\nf()\n",
+                           "analysis/plot.py": "import torch\n\n\ndef sync():\n    torch.cuda.synchronize()\n"})
+    text = run("check", root, "--exclude", "analysis")
+    assert "left out 1 folder(s) that look vendored (1 file(s), no decoder in them; --include-vendored checks them): " \
+           "third_party/ (named third_party)" in text.output
+    assert "left out (--exclude analysis): 1 file(s): analysis/plot.py" in text.output
+    payload = json.loads(run("check", root, "--exclude", "analysis", "--format", "json").stdout)
+    assert payload["vendored"] == [{"path": "third_party", "reason": "named third_party", "files": 1, "checked": False, "decoder": None}]
+    assert payload["exclude"] == ["analysis"] and payload["excluded"] == [{"path": "analysis/plot.py", "by": "--exclude analysis"}]
+
+
 def test_include_vendored_in_a_config_file_must_be_a_boolean(tmp_path):
     root = fork(tmp_path, {"pyproject.toml": '[tool.ddpatch]\ninclude-vendored = "yes"\n'})
     out = run("check", root)
