@@ -92,31 +92,35 @@ def lossy_steps(report: Report, recipe: Recipe) -> list[str]:
 
 # ----------------------------------------------------------------------------- apply / diff / check
 def run(path: str | Path, recipe: str | Recipe = DEFAULT_RECIPE, select=None, ignore=None, upstream: str | None = None,
-        jobs: int = 0, progress: Callable[[int, int], None] | None = None, include_vendored: bool = False) -> Report:
+        jobs: int = 0, progress: Callable[[int, int], None] | None = None, exclude: Iterable[str] = (),
+        include_vendored: bool = False) -> Report:
     """Run a recipe over ``path`` and return its report; nothing is written. ``jobs=0``: one per CPU.
 
-    ``include_vendored``: also check the folders that look like copies of third-party packages;
-    by default they are listed in ``Report.vendored`` and not parsed (docs/usage.md).
+    ``exclude``: ``--exclude`` patterns (files and folders left out, said in the report). A tree with none
+    of the recipe's decoders is refused in one line (``engine.survey``), unless ``select`` or ``upstream``
+    says what to run on it. ``include_vendored``: also check the folders that look like copies of
+    third-party packages; by default they are listed in ``Report.vendored`` and not parsed (docs/usage.md).
     """
     from .engine.pipeline import run_recipe
 
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    survey = "report" if select is not None else "require"
     recipe = select_steps(recipe, select, ignore)
     return run_recipe(recipe, Path(path), upstream=upstream, jobs=jobs or os.cpu_count() or 1, progress=progress,
-                      include_vendored=include_vendored)
+                      exclude=tuple(exclude or ()), survey=survey, include_vendored=include_vendored)
 
 
 def require_code(report: Report) -> None:
     """A tree with none of the recipe's code is bad input: say so in one line."""
-    if report.upstream is not None or report.changed or report.skipped:
+    from .engine.survey import looked_for
+
+    if report.upstream is not None or report.changed or report.skipped or report.decoders:
         return
     if any(site for step in report.steps for site in step.sites):
         return
-    markers = "; ".join(f"{u.name}: {', '.join(u.markers)}" for u in report.recipe.upstreams.values())
-    raise EngineError(
-        f"no code for recipe {report.recipe.name} under {report.root}: no upstream layout detected (marker functions {markers}) "
-        "and no step found a site; pass --upstream NAME to check it as that layout"
-    )
+    family = report.recipe.decoders or report.recipe.name
+    raise EngineError(f"no {family} decoder found in {report.root} (looked for {looked_for(report.recipe)}), and no step found "
+                      "a site; pass --upstream NAME to check it as that layout")
 
 
 def check(path: str | Path, recipe: str | Recipe = DEFAULT_RECIPE, **options) -> Report:
@@ -152,7 +156,7 @@ def apply(path: str | Path, recipe: str | Recipe = DEFAULT_RECIPE, out: str | Pa
     lossy = lossy_steps(report, recipe)
     if out is None:
         refuse_unwritable(report)  # a read-only file is skipped, like one that cannot be parsed
-    blocked = bool(report.no_match or report.skipped) and not allow_partial or bool(lossy and not allow_lossy)
+    blocked = bool(report.no_match or report.skipped or report.blocking_imports) and not allow_partial or bool(lossy and not allow_lossy)
     written: list[str] = []
     dest = None
     if blocked:
@@ -236,6 +240,8 @@ def verify(path: str | Path, timeout: float = 600.0, progress: Callable[[dict], 
     from .verify.runner import run_verify
 
     unpatched = _unpatched(Path(path), original) if upstream_tests or original is not None else None  # bad input: before the run
+    if Path(path).is_dir() and not options.get("entries"):  # --entry names the decoders: the runner checks them
+        require_decoder(path, options.get("exclude") or ())
     outcome = run_verify(Path(path), timeout=timeout, progress=progress, **options)
     if unpatched is not None:
         from .verify.upstream_tests import upstream_tests_row
@@ -292,6 +298,34 @@ def _steps_by_file(before: Path, after: Path) -> dict[str, list[str]]:
         named = read_provenance((after / rel).read_text(errors="replace")) if (after / rel).is_file() else set()
         out[rel] = [s for s in steps if s in named] or steps
     return out
+
+
+def require_decoder(path: str | Path, exclude: Iterable[str] = ()) -> None:
+    """Before a verifier starts: a tree with none of the default recipe's decoders is refused in the one line check gives
+    (a serving engine named as such), as check, diff and apply refuse it; ``--entry`` names decoders by hand instead."""
+    from .engine.files import defined_functions
+    from .engine.pipeline import discover
+    from .engine.survey import NotADecoderTree, refuse, survey
+
+    recipe = load_recipe(DEFAULT_RECIPE)
+    root = Path(path).resolve()
+    paths, _, _ = discover(root, recipe, exclude=tuple(exclude))
+    texts, where = {}, {}
+    for p in paths:
+        try:
+            text = p.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        rel = p.relative_to(root).as_posix()
+        texts[rel] = text
+        for name in defined_functions(text):
+            where.setdefault(name, rel)
+    found = survey(texts, recipe, recipe.detect_upstream(set(where)), where)
+    if not found.decoders:
+        try:
+            refuse(found, recipe, root)
+        except NotADecoderTree as exc:
+            raise VerifyError(str(exc)) from None
 
 
 # ----------------------------------------------------------------------------- ci

@@ -214,13 +214,16 @@ verify_options = _options(
                  help="A drafter input the tree sets differently on purpose, reviewed: reported, not failed (repeatable)."),
     click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
                  help="Seconds before the verifier is stopped (> 0)."),
+    click.option("--exclude", "exclude", multiple=True, metavar="GLOB",
+                 help="Leave these files or folders out of the search for the tree's decoders (repeatable; as check's)."),
 )
 
 
 def _verify_options(presets, target, draft, scripted_draft, trust_remote_code, seeds, tree_budgets, entries=(), greedy_only=False,
-                    reviewed=(), **rest) -> dict:
+                    reviewed=(), exclude=(), **rest) -> dict:
     """``verify_options``' values as ``api.verify`` options (None: the verifier's default)."""
     return dict(presets=list(presets) or None, target=str(target) if target else None, draft=str(draft) if draft else None,
+                exclude=list(exclude) or None,
                 scripted_draft=scripted_draft or None, trust_remote_code=trust_remote_code or None,
                 seeds=_ints(seeds, 0, "--seeds"), tree_budgets=_ints(tree_budgets, 1, "--tree-budgets"),
                 entries=list(entries) or None, greedy_only=greedy_only or None, reviewed=list(reviewed) or None, **rest)

@@ -9,6 +9,7 @@ instead; ``--isolated`` reads none. A flag given on the command line overrides t
     [tool.ddpatch]
     recipe = "qwen3_6-gdn"
     ignore = ["cpu-safe-timing"]
+    exclude = ["analysis/"]
     jobs = 4
 
 Imports: stdlib, ``patcher.errors`` and the engine's recipe loader.
@@ -37,6 +38,7 @@ KEYS = {
     "entry": "a list of FILE:FUNCTION decoders for verify (default: every decoder found)",
     "reviewed": "a list of drafter inputs whose deliberate difference was reviewed (verify): noise, positions, features",
     "include-vendored": "true or false",
+    "exclude": "a list of glob patterns: files and folders to leave out (check, diff, apply, verify)",
 }
 
 
@@ -86,6 +88,10 @@ def _validate(values: dict[str, Any], path: Path) -> dict[str, Any]:
             value = _ids(key, value, path)
         elif key in ("presets", "entry", "reviewed"):
             value = _ids(key, value, path).split(",")
+        elif key == "exclude":
+            value = [value] if isinstance(value, str) else value
+            if not isinstance(value, list) or not value or not all(isinstance(v, str) and v.strip() for v in value):
+                raise ConfigError(f"config {path}: exclude must be {KEYS['exclude']}, got {value!r}")
         elif key == "jobs":
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"config {path}: jobs must be {KEYS['jobs']}, got {value!r}")

@@ -25,6 +25,9 @@ NO_MATCH = "no-match"
 #: Statuses given after the engine has run: ``pending`` is an ``applied`` site that was not
 #: written (check, diff, a blocked apply); ``skipped`` is a site or anchor in a file that was skipped.
 PENDING, SKIPPED = "pending", "skipped"
+#: Not a status but a note: a site a step saw and left alone because it could not tell what it is (a bare cache given
+#: to a model that nothing says is the target). The engine moves these out of the sites into ``FileResult.notes``.
+UNCLASSIFIED = "unclassified"
 #: The statuses that say a step holds.
 GREEN = frozenset({APPLIED, ALREADY_APPLIED, FIXED_UPSTREAM})
 #: The exit codes of every command, as ruff's (documented once, in docs/exit-codes.md):
@@ -62,11 +65,28 @@ class Site:
 
 
 @dataclass
+class ImportIssue:
+    """An import of the tree that resolves to nothing (``blocking``: in a file the decoders import, so ``verify``
+    cannot load them and ``apply`` writes nothing)."""
+
+    path: str
+    line: int
+    module: str
+    message: str
+    blocking: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "line": self.line, "module": self.module, "message": self.message, "blocking": self.blocking}
+
+
+@dataclass
 class FileResult:
     path: str
     original: str | None  # None for a file ddpatch creates
     patched: str | None = None  # None when unchanged
     sites: list[Site] = field(default_factory=list)
+    #: sites a step left alone because it could not tell what they are (``UNCLASSIFIED``): said, never silent
+    notes: list[Site] = field(default_factory=list)
     functions: dict[str, int] = field(default_factory=dict)  # name -> line
     needs_runtime: bool = False
     error: str | None = None
@@ -139,10 +159,25 @@ class Report:
     missing_anchors: list[str]
     #: Folders that look vendored: those left out (not parsed) and those checked after all.
     vendored: list[VendoredFolder] = field(default_factory=list)
+    #: the files that hold a decoder (the tree survey), each with why
+    decoders: dict[str, str] = field(default_factory=dict)
+    #: what the run left out: the --exclude globs, and per file the glob (or reason) that left it out
+    exclude: tuple[str, ...] = ()
+    excluded: dict[str, str] = field(default_factory=dict)
+    #: imports that resolve to nothing (the blocking ones stop apply)
+    import_issues: list[ImportIssue] = field(default_factory=list)
 
     @property
     def changed(self) -> list[FileResult]:
         return [f for f in self.files if f.changed]
+
+    @property
+    def notes(self) -> list[Site]:
+        return [n for f in self.files for n in f.notes]
+
+    @property
+    def blocking_imports(self) -> list[ImportIssue]:
+        return [i for i in self.import_issues if i.blocking]
 
     @property
     def skipped(self) -> list[FileResult]:
@@ -153,8 +188,9 @@ class Report:
         return [s for s in self.steps if s.status == NO_MATCH]
 
     def exit_code(self, pending: bool) -> int:
-        """1 (a finding) if a step is no-match, a file was skipped, or ``pending`` and a file would change; else 0."""
-        if self.no_match or self.skipped:
+        """1 (a finding) if a step is no-match, a file was skipped, an import the decoders need resolves to nothing,
+        or ``pending`` and a file would change; else 0."""
+        if self.no_match or self.skipped or self.blocking_imports:
             return EXIT_FAILED
         return EXIT_FAILED if pending and self.changed else EXIT_OK
 
@@ -167,7 +203,12 @@ class Report:
             "upstream": self.upstream,
             "layout_detected": self.upstream is not None,
             "missing_anchors": self.missing_anchors,
+            "decoders": self.decoders,
             "vendored": [v.as_dict() for v in self.vendored],
+            "exclude": list(self.exclude),
+            "excluded": [{"path": p, "by": by} for p, by in self.excluded.items()],
+            "unresolved_imports": [i.as_dict() for i in self.import_issues],
+            "notes": [n.as_dict() for n in self.notes],
             "steps": [s.as_dict() for s in self.steps],
             "files": [
                 {"path": f.path, "changed": f.changed, "created": f.original is None, "error": f.error}

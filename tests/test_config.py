@@ -54,8 +54,9 @@ def test_cli_flags_override_the_file_and_isolated_ignores_it(tmp_path):
     # the file's format = "json" is not read: the text report, and check's findings exit (a step pending)
     assert isolated.exit_code == 1, isolated.output
     assert not isolated.stdout.lstrip().startswith("{") and "cpu-safe-timing  pending" in isolated.stdout, isolated.stdout
-    # nor its select: without --select every step of the recipe is checked, not only the file's one
-    unselected = run("check", root, "--isolated", "--format", "json")
+    # nor its select: without --select every step of the recipe is checked, not only the file's one (on a tree
+    # with no decoder, once --upstream says which layout to check it as: without it, one "no decoder" line)
+    unselected = run("check", root, "--isolated", "--upstream", "ddtree", "--format", "json")
     assert unselected.exit_code == 1, unselected.output
     listed = steps(unselected)
     assert "cpu-safe-timing" in listed and "crop-compat" in listed and len(listed) > 2, listed

@@ -28,7 +28,7 @@ import torch
 
 from drift import outcome, semantics
 from drift import transforms as t
-from drift.variants import BY_NAME, LOSSLESS, VARIANTS, VENDORED, NoMatch, Variant, all_parse
+from drift.variants import BY_NAME, LOSSLESS, NOT_A_DECODER, VARIANTS, VENDORED, NoMatch, Variant, all_parse
 
 
 def only_variants(value: str) -> set[str]:
@@ -120,6 +120,8 @@ def test_unpatched_variant_still_decodes_on_full_attention(variant, made):
     if variant.unpatched_min_transformers and release(transformers.__version__) < release(variant.unpatched_min_transformers):
         pytest.skip(f"{variant.name}'s unpatched code is written for transformers {variant.unpatched_min_transformers}+ "
                     f"(this is {transformers.__version__}); its patched tree runs here (test_apply_exit_0_means_lossless)")
+    if variant.expected == NOT_A_DECODER:
+        pytest.skip(f"{variant.name} holds no decoder to run")
     root = made(variant)
     runs = semantics.decode_unpatched(root, variant.base)
     for method, (expected, got) in runs.items():
@@ -133,6 +135,13 @@ def test_unpatched_variant_still_decodes_on_full_attention(variant, made):
 def test_apply_outcome_is_the_recorded_one(variant, applied):
     src, out, rep = applied(variant)
     _record(variant, apply=rep.exit_code, statuses=rep.statuses, no_match=rep.no_match_sites(), error=rep.error)
+    if variant.expected == NOT_A_DECODER:  # one line, exit 2, no step's status: check says the same
+        chk = outcome.check(src, applied.home)
+        for run in (rep, chk):
+            assert run.exit_code == 2 and (run.error or "").startswith("no DDTree/DFlash decoder found in"), run.raw[-800:]
+            assert not run.statuses, "a tree with no decoder got step statuses"
+        assert not out.exists() or not any(out.iterdir()), "apply wrote files into a tree that is not a decoder's"
+        return
     assert rep.exit_code in (0, outcome.EXIT_NO_MATCH), f"apply exited {rep.exit_code}: {rep.error or rep.raw[-1500:]}"
     if rep.exit_code == 0:
         assert variant.lossless, (
@@ -254,7 +263,7 @@ def test_a_no_match_expectation_is_exact():
 
 def test_every_variant_has_exactly_one_outcome():
     for v in VARIANTS:
-        assert v.lossless or all(isinstance(e, NoMatch) for e in v.expected), v.name
+        assert v.lossless or v.expected == NOT_A_DECODER or all(isinstance(e, NoMatch) for e in v.expected), v.name
     with pytest.raises(ValueError, match="one outcome"):
         Variant("both", "x", "dflash", lambda root: None, lambda root, original: None,
                 expected=(LOSSLESS, NoMatch("target-cache-config", "dflash/model.py", "dflash_generate")))
@@ -292,6 +301,8 @@ def test_readme_records_every_variant():
         said = rows[v.name]
         if v.lossless:
             assert said.startswith(("lossless", "as `native-5x`")), f"{v.name}: README says {said!r}"
+        elif v.expected == NOT_A_DECODER:
+            assert said.startswith(NOT_A_DECODER), f"{v.name}: README says {said!r}"
         else:
             assert said.startswith("no-match") and " or " not in said, f"{v.name}: README says {said!r}"
             for e in v.expected:

@@ -143,9 +143,9 @@ def test_a_tree_without_recipe_code_says_so_in_one_line(tmp_path):
     for command in ("check", "diff", "apply"):
         result = run(command, tree, *RECIPE)
         assert result.exit_code == 2 and result.stdout == ""
-        one_error_line(result, "no code for recipe qwen3_6-gdn")
+        one_error_line(result, f"no DDTree/DFlash decoder found in {tree.resolve()} (looked for ")
     payload = json.loads(run("check", tree, *RECIPE, "--format", "json").stdout)
-    assert "no code for recipe" in payload["error"]
+    assert payload["error"].startswith("no DDTree/DFlash decoder found in")
 
 
 def test_check_labels_sites_pending_and_apply_labels_them_applied(ddtree):

@@ -96,6 +96,20 @@ def test_check_says_what_it_left_out_in_text_and_json(tmp_path):
     assert configured["vendored"] == [] and [f["path"] for f in configured["files"] if f["error"]] == ["third_party/pkg/broken.py"]
 
 
+def test_vendored_and_excluded_folders_are_reported_side_by_side(tmp_path):
+    """A vendored package's ordinary code (`def f(): ...`, `_()`) holds no decoder signal, whatever patterns the steps
+    scan the tree with; what --exclude leaves out has its own line and JSON keys beside the vendored folders."""
+    root = fork(tmp_path, {"third_party/pkg/util.py": "def f():\n    return _()\n\n\nf()\n",
+                           "analysis/plot.py": "import torch\n\n\ndef sync():\n    torch.cuda.synchronize()\n"})
+    text = run("check", root, "--exclude", "analysis")
+    assert "left out 1 folder(s) that look vendored (1 file(s), no decoder in them; --include-vendored checks them): " \
+           "third_party/ (named third_party)" in text.output
+    assert "left out (--exclude analysis): 1 file(s): analysis/plot.py" in text.output
+    payload = json.loads(run("check", root, "--exclude", "analysis", "--format", "json").stdout)
+    assert payload["vendored"] == [{"path": "third_party", "reason": "named third_party", "files": 1, "checked": False, "decoder": None}]
+    assert payload["exclude"] == ["analysis"] and payload["excluded"] == [{"path": "analysis/plot.py", "by": "--exclude analysis"}]
+
+
 def test_include_vendored_in_a_config_file_must_be_a_boolean(tmp_path):
     root = fork(tmp_path, {"pyproject.toml": '[tool.ddpatch]\ninclude-vendored = "yes"\n'})
     out = run("check", root)
@@ -234,10 +248,16 @@ def walked_roles(tree) -> bool:
     for fn in ast.walk(tree):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
-        calls = [c for c in ast.walk(fn) if isinstance(c, ast.Call) and any(k.arg == "past_key_values" for k in c.keywords)]
-        calls = [c for c in calls if (ast_dotted(c.func) or "self").split(".")[0] not in ("self", "cls")]
+        every = [c for c in ast.walk(fn) if isinstance(c, ast.Call)]
+        calls = [c for c in every if any(k.arg == "past_key_values" for k in c.keywords)
+                 and (ast_dotted(c.func) or "self").split(".")[0] not in ("self", "cls")]
+        if not calls:
+            continue
         callees = {ast_dotted(c.func) for c in calls} - {None}
-        if len(callees) < 2:
+        # a drafter given the features positionally with no cache: a parameter's call (issue 39)
+        params = {a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs} - {"self", "cls"}
+        positional = [c for c in every if c.args and c not in calls and (ast_dotted(c.func) or ".").split(".")[0] in params]
+        if len(callees) < 2 and not positional:
             continue
         assigned: dict[str, list] = {}
         for node in ast.walk(fn):
@@ -246,10 +266,15 @@ def walked_roles(tree) -> bool:
                     name = ast_dotted(target)
                     if name:
                         assigned.setdefault(name, []).append(node.value)
-        for call in calls:
+        for call in calls if len(callees) >= 2 else ():
             callee = ast_dotted(call.func)
             if callee and any(_ast_fed(arg, callee, callees, assigned, 6, set()) for arg in
                               [*call.args, *(k.value for k in call.keywords if k.arg != "past_key_values")]):
+                return True
+        for call in positional:
+            callee = ast_dotted(call.func)
+            others = {c for c in callees if c.split(".")[0] != callee.split(".")[0]} | {callee}
+            if len(others) > 1 and any(_ast_fed(arg, callee, others, assigned, 6, set()) for arg in call.args):
                 return True
     return False
 
@@ -285,6 +310,12 @@ def step():
 def run(a, b, ids, c, d):
     a(ids, past_key_values=c)
     b(ids, past_key_values=d)
+""",
+    "one model with a cache, a drafter given its features positionally": """
+def generate(target, model, ids, c):
+    out = target(ids, past_key_values=c, output_hidden_states=True)
+    hidden = out.hidden_states
+    return model.topk_generate(hidden, 4)
 """,
     "one model twice": "def run(m, ids, c):\n    m(ids, past_key_values=c)\n    m(m(ids).hidden_states, past_key_values=c)\n",
     "self's own calls": "class A:\n    def f(self, ids, c):\n        h = self.a(ids, past_key_values=c).hidden_states\n        return self.b(h, past_key_values=c)\n",

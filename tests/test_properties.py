@@ -148,6 +148,15 @@ TEMPLATES = {
     "datasets-user": "def load({a}):{note}\n    return load_dataset({a})\n",
     "compact": "def compact_dynamic_cache(past_key_values, past_length, keep_current_indices):{note}\n    return past_length\n",
     "compact-other": "def compact_{fn}(past_key_values, past_length, keep_current_indices):\n    return past_length\n",
+    "legacy-cache": (
+        "def {fn}(model, target, {a}, {b}):\n"
+        "    {c} = DynamicCache()\n"
+        "    {d} = DynamicCache(){note}\n"
+        "    target({a}, past_key_values={c})\n"
+        "    model(target_hidden={b}, past_key_values={d})\n"
+        "    return {d}.to_legacy_cache(), {c}.to_legacy_cache(), {d}[0], {c}.get_max_cache_shape()\n"
+    ),
+    "legacy-not-a-cache": "def {fn}({a}, {b}):\n    return {a}[0], {b}.seen_tokens{note}\n",
 }
 
 #: The templates about each codemod; a step's test always has one of them.
@@ -160,6 +169,7 @@ OWN = {
     "lazy-import": ["datasets-user"],
     "wrap-call": ["decode-loop", "cache-owner"],
     "decorate-function": ["compact", "compact-other"],
+    "removed-api": ["legacy-cache", "legacy-not-a-cache"],
 }
 
 
@@ -222,7 +232,7 @@ def run_engine(text: str, specs) -> tuple[str, list]:
         path.write_text(text)
         result = process_file(Path(tmp), path, specs, recipe)
     assert result.error is None, result.error
-    return (result.patched if result.patched is not None else text), result.sites
+    return (result.patched if result.patched is not None else text), result.sites + result.notes  # notes: sites left alone
 
 
 def check_properties(text: str, spans, specs) -> None:

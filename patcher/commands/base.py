@@ -140,6 +140,9 @@ recipe_options = options(
     click.option("--ignore", default=None, help="Skip these step ids (comma-separated)."),
     click.option("--allow-lossy", is_flag=True, help="Accept a --select/--ignore that leaves out a step the recipe needs to stay lossless."),
     click.option("--upstream", default=None, help="Treat the tree as this upstream layout instead of detecting it."),
+    click.option("--exclude", "exclude", multiple=True, metavar="GLOB",
+                 help="Leave these files or folders out (repeatable): a name anywhere (analysis, profile_*.py) or a path from "
+                      "the tree's root (scripts/old/). The report lists what was left out."),
     click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel worker processes, >= 1 (default: number of CPUs)."),
     click.option("--include-vendored", is_flag=True,
                  help="Also check folders that look like copies of third-party packages (third_party/, vendor/, a folder with its "
@@ -154,7 +157,7 @@ recipe_options = options(
 #: CLI parameter -> config key, for the settings a config file may give.
 _CONFIGURABLE = {"recipe_name": "recipe", "select": "select", "ignore": "ignore", "upstream": "upstream", "jobs": "jobs",
                  "fmt": "format", "allow_lossy": "allow-lossy", "presets": "presets", "entries": "entry", "reviewed": "reviewed",
-                 "include_vendored": "include-vendored"}
+                 "include_vendored": "include-vendored", "exclude": "exclude"}
 
 
 def configured(path, options: dict) -> dict:
@@ -167,7 +170,7 @@ def configured(path, options: dict) -> dict:
     config = load_config(path, options.pop("config_file", None), options.pop("isolated", False))
     for param, key in _CONFIGURABLE.items():
         if param in options and key in config.values and ctx.get_parameter_source(param) in (ParameterSource.DEFAULT, None):
-            options[param] = tuple(config.values[key]) if param in ("presets", "entries", "reviewed") else config.values[key]
+            options[param] = tuple(config.values[key]) if param in ("presets", "entries", "reviewed", "exclude") else config.values[key]
     if options.get("fmt") == "json":
         _JSON_BY_CONFIG.append(True)
     if "recipe_name" in options and not options["recipe_name"]:

@@ -47,6 +47,8 @@ def classify(recipe: Recipe, upstream: str | None, files: list[FileResult], text
         sites = sorted((s for f in files for s in f.sites if s.step == spec.id), key=lambda s: (s.path, s.line))
         anchors = []
         step_anchors = spec.anchors.get(upstream, ()) if upstream else ()
+        if not spec.anchors and not sites:
+            continue  # a step anchored nowhere (removed-cache-api) speaks only where it found a site
         for fn in step_anchors:
             if fn not in defined:
                 anchors.append(AnchorResult(fn, NO_MATCH, f"function `{fn}` is not defined anywhere in the tree"))
@@ -66,7 +68,10 @@ def classify(recipe: Recipe, upstream: str | None, files: list[FileResult], text
             if reason:
                 anchors.append(AnchorResult(fn, FIXED_UPSTREAM, reason, path, line))
             else:
-                anchors.append(AnchorResult(fn, NO_MATCH, f"`{fn}` has no site for this step", path, line))
+                cls = CODEMODS[spec.codemod]
+                near = next(filter(None, (cls.near_miss(texts.get(defined[n][0]) or "", n, {**cls.PARAMS, **spec.params})
+                                          for n in [fn, *helpers])), None)
+                anchors.append(AnchorResult(fn, NO_MATCH, f"`{fn}` has no site for this step" + (f": {near}" if near else ""), path, line))
         results.append(StepResult(spec, _aggregate(anchors, sites), anchors, sites))
     return results
 

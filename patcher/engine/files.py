@@ -47,6 +47,20 @@ def read_file(base: Path, path: Path) -> tuple[FileResult, str]:
     return FileResult(rel, text, functions=defined_functions(text), encoding=encoding), text
 
 
+def not_regular(path: Path) -> str | None:
+    """What ``path`` is when it is not a regular file (a FIFO, a socket, a device), else None."""
+    import stat
+
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None  # gone, or unreadable: reading it reports why
+    if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
+        return None
+    return ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file")
+
+
 def decode_source(data: bytes) -> tuple[str, str]:
     """The text of a Python file and its encoding, as Python reads it (PEP 263).
 

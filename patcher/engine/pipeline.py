@@ -26,13 +26,15 @@ from pathlib import Path
 from typing import Iterable
 
 from ..errors import EngineError
-from ..results import ALREADY_APPLIED, APPLIED, FIXED_UPSTREAM, FileResult, Report, Site, VendoredFolder
+from ..results import ALREADY_APPLIED, APPLIED, FIXED_UPSTREAM, UNCLASSIFIED, FileResult, Report, Site, VendoredFolder
 from .classify import classify, mark_skipped
 from .codemods import CODEMODS
 from .codemods.base import IN_PACKAGE, PATCHED, place, site_positions
-from .files import add_runtime_files, defined_functions, read_file, read_provenance, write_provenance
+from .files import add_runtime_files, defined_functions, not_regular, read_file, read_provenance, write_provenance
 from .prefilter import prefilter, prefilter_tree  # noqa: F401  (stage 2; tests import them from here)
 from .recipe import Recipe, StepSpec
+from .survey import leave_out_engines, reached_by_decoders, refuse, suggest_excludes
+from .survey import survey as survey_tree
 from .vendored import DecoderSignals, settle, vendored_reason
 
 SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".tox", ".mypy_cache", ".pytest_cache", "node_modules"}
@@ -56,7 +58,20 @@ def covers(recipe: Recipe, rel: str) -> bool:
     return _matches(rel, recipe.include) and not _matches(rel, recipe.exclude)
 
 
-def discover(root: Path, recipe: Recipe, include_vendored: bool = False) -> tuple[list[Path], list[FileResult], list[VendoredFolder]]:
+def exclude_globs(pattern: str) -> list[str]:
+    """What ``--exclude PATTERN`` leaves out, as ruff reads it: a pattern without ``/`` is a file or folder name anywhere
+    (``analysis``, ``profile_*.py``); one with ``/`` is relative to the tree's root (``scripts/old/``, ``tools/*.py``);
+    a folder takes everything under it."""
+    pattern = pattern.strip().removeprefix("./").rstrip("/")
+    if not pattern:
+        return []
+    if "/" not in pattern:
+        return [f"**/{pattern}", f"**/{pattern}/**"]
+    return [pattern, f"{pattern}/**"]
+
+
+def discover(root: Path, recipe: Recipe, include_vendored: bool = False, exclude: Iterable[str] = (),
+             excluded: dict[str, str] | None = None) -> tuple[list[Path], list[FileResult], list[VendoredFolder]]:
     """Python files under ``root`` that the recipe covers, the entries skipped on the way, and the folders
     that look vendored (``patcher.engine.vendored``).
 
@@ -64,7 +79,10 @@ def discover(root: Path, recipe: Recipe, include_vendored: bool = False) -> tupl
     the tree is reported. Build and VCS folders are skipped. Unless ``include_vendored``, the
     files of a folder that looks like a copy of a third-party package are left out, unless one
     of them shows a decoder signal of the recipe (the folder is then listed as checked).
+    ``exclude`` (``--exclude`` patterns) leaves files out too; each is recorded in ``excluded``
+    with the pattern that left it out.
     """
+    globs = {p: exclude_globs(p) for p in exclude}
     root = root.resolve()
     if root.is_file():
         return [root], [], []
@@ -89,11 +107,16 @@ def discover(root: Path, recipe: Recipe, include_vendored: bool = False) -> tupl
             rel = path.relative_to(root).as_posix()
             if not covers(recipe, rel):
                 continue
+            by = next((p for p, g in globs.items() if _matches(rel, g)), None)
+            if by is not None:
+                if excluded is not None:
+                    excluded[rel] = f"--exclude {by}"
+                continue
             if path.is_symlink():
                 if not path.resolve().is_relative_to(root):
                     skips.append(FileResult(rel, None, error="symlink points outside the tree; not followed"))
                 continue  # writing through a link would replace it with a file
-            kind = _not_regular(path)
+            kind = not_regular(path)
             if kind:  # reading a FIFO would wait forever for a writer
                 skips.append(FileResult(rel, None, error=f"not a regular file ({kind}); not read"))
                 continue
@@ -108,20 +131,6 @@ def discover(root: Path, recipe: Recipe, include_vendored: bool = False) -> tupl
         found = [p for p in walked if p in taken]
         skipped += [f for v in vendored if not v.left_out for f in candidates[v.path][2]]
     return found, skipped, vendored
-
-
-def _not_regular(path: Path) -> str | None:
-    """What ``path`` is when it is not a regular file (a FIFO, a socket, a device), else None."""
-    import stat
-
-    try:
-        mode = os.lstat(path).st_mode
-    except OSError:
-        return None  # gone, or unreadable: reading it reports why
-    if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
-        return None
-    return ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
-            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file")
 
 
 # ----------------------------------------------------------------------------- stage 3+4: parse and transform
@@ -341,7 +350,8 @@ def merge(result: FileResult, parsed: tuple) -> FileResult:
         return result
     for site in sites:
         site.path = result.path
-    result.sites = sites
+    result.notes = [site for site in sites if site.status == UNCLASSIFIED]  # said in the report, never a status
+    result.sites = [site for site in sites if site.status != UNCLASSIFIED]
     if result.patched is not None:
         try:
             result.encoded()
@@ -357,9 +367,12 @@ def _one_line(exc: BaseException) -> str:
 
 # ----------------------------------------------------------------------------- the pipeline
 def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: int = 1, progress=None,
-               include_vendored: bool = False) -> Report:
+               exclude: Iterable[str] = (), survey: str | None = None, include_vendored: bool = False) -> Report:
     """The whole pipeline; ``progress(done, total)`` is called as files are processed.
 
+    ``exclude``: ``--exclude`` patterns. ``survey``: say what the tree is before any step runs
+    (``survey.py``): ``"require"`` stops a tree with none of the recipe's decoders (one line, exit 2),
+    ``"report"`` only reports; None (``ci``, the corpus) runs the steps on anything.
     ``include_vendored``: also check the folders that look like copies of third-party packages
     (``patcher.engine.vendored``); by default they are listed in the report and not parsed.
     """
@@ -368,13 +381,17 @@ def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: in
         raise EngineError(f"path does not exist: {root}")
     root = root.resolve()
     base = root if root.is_dir() else root.parent
-    if not root.is_dir() and _not_regular(root):
-        raise EngineError(f"not a regular file or folder ({_not_regular(root)}): {root}; pass the checkout's root folder")
+    if not root.is_dir() and not_regular(root):
+        raise EngineError(f"not a regular file or folder ({not_regular(root)}): {root}; pass the checkout's root folder")
     if root.is_file() and not covers(recipe, root.name):
         raise EngineError(f"not a Python file: {root}; pass the checkout's root folder (or a .py file)")
     if root.is_dir() and not any(root.iterdir()):
         raise EngineError(f"empty directory: {root}")
-    paths, skipped, vendored = discover(root, recipe, include_vendored)
+    excluded: dict[str, str] = {}
+    exclude = tuple(exclude)
+    paths, skipped, vendored = discover(root, recipe, include_vendored, exclude, excluded)
+    if not paths and not skipped and not vendored and excluded:
+        raise EngineError(f"every Python file under {root} is left out by --exclude {' '.join(exclude)}")
     if not paths and not skipped and not vendored:
         raise EngineError(f"no Python files matching {', '.join(recipe.include)} under {root}")
     if upstream is not None and upstream not in recipe.upstreams:
@@ -383,20 +400,39 @@ def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: in
     defined = set()
     scans = [re.compile(cls.TREE_TRIGGER) for cls in CODEMODS.values() if cls.TREE_TRIGGER]
     scanned: dict[str, str] = {}  # texts some step's tree scan wants
+    texts: dict[str, str] = {}  # every text, for the survey
+    where: dict[str, str] = {}  # function -> a file defining it
     for result, text in read:
-        defined.update(result.functions if result.error is None else defined_functions(text))
+        functions = result.functions if result.error is None else defined_functions(text)
+        defined.update(functions)
+        if survey:
+            texts[result.path] = text
+            for name in functions:
+                where.setdefault(name, result.path)
         if any(p.search(text) for p in scans):
             scanned[result.path] = text
+    forced = upstream is not None
     if upstream is None:
         upstream = recipe.detect_upstream(defined)
+    found = survey_tree(texts, recipe, upstream, where) if survey and recipe.upstreams else None
+    if found is not None and not found.decoders:
+        if survey == "require" and not forced:
+            refuse(found, recipe, root)
+    elif found is not None and found.engine_folders:  # a decoder beside an engine's package: the engine is not patched
+        kept = set(leave_out_engines(found, paths, base, excluded, scanned))
+        read = [(result, text) for (result, text), path in zip(read, paths) if path in kept]
+        paths = [path for path in paths if path in kept]
     specs = [(tree_scan(spec, CODEMODS[spec.codemod], scanned), CODEMODS[spec.codemod]) for spec in recipe.steps if spec.applies_to(upstream)]
     files = _map_files(paths, [result for result, _ in read], specs, recipe, jobs, progress)
     files += add_runtime_files(base, files)
     texts = {f.path: f.original for f in files if f.original is not None}
     steps = classify(recipe, upstream, files, texts)
     missing = sorted(a for a in (recipe.upstreams[upstream].anchors if upstream else ()) if a not in defined)
-    report = Report(recipe, root, upstream, files + skipped, steps, missing, vendored)
+    report = Report(recipe, root, upstream, files + skipped, steps, missing, vendored, decoders=found.decoders if found else {},
+                    exclude=exclude, excluded=excluded)
     mark_skipped(report)
+    if found is not None:
+        suggest_excludes(report, reached_by_decoders(report))
     return report
 
 

@@ -61,6 +61,8 @@ class Recipe:
     #: The steps without which a patched tree decodes lossy on a hybrid model (--select/--ignore
     #: that leaves one out, where it applies, warns and exits 1 unless --allow-lossy).
     lossless: tuple[str, ...] = ()
+    #: What the recipe's code is called in messages ("DDTree/DFlash"): "no DDTree/DFlash decoder found in PATH".
+    decoders: str = ""
 
     @property
     def label(self) -> str:
@@ -150,6 +152,7 @@ def parse_recipe(text: str, source: str = "<string>") -> Recipe:
         verified=_model_presets(data.get("verified"), f"{source}: verified"),
         refused=_model_presets(data.get("refused"), f"{source}: refused"),
         lossless=_lossless(data.get("lossless"), seen, source),
+        decoders=str(data.get("decoders", "")),
     )
 
 

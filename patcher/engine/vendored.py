@@ -50,13 +50,16 @@ def vendored_reason(name: str, dirnames: list[str], filenames: list[str]) -> str
 
 class DecoderSignals:
     """The recipe's signs of a decoder in a file's text: a marker or anchor function defined, or a
-    word a step scans the whole tree for (``Step.TREE_TRIGGER``)."""
+    word a step scans the whole tree for (``Step.TREE_TRIGGER``, where that is a word)."""
 
     def __init__(self, recipe: Recipe, codemods: dict) -> None:
         names = sorted({n for up in recipe.upstreams.values() for n in (*up.markers, *up.anchors)})
         self.names = names
         self._defs = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(" + "|".join(map(re.escape, names)) + r")\b", re.M) if names else None
-        triggers = sorted({cls.TREE_TRIGGER for cls in (codemods[s.codemod] for s in recipe.steps) if cls.TREE_TRIGGER})
+        # a trigger that is a word (``target_hidden``) is a sign of a decoder; one that is a pattern every file matches
+        # (target-cache-config's ``\w\(``: every caller is read for the target it hands a decoder) is not
+        triggers = sorted({cls.TREE_TRIGGER for cls in (codemods[s.codemod] for s in recipe.steps)
+                           if cls.TREE_TRIGGER and re.fullmatch(r"\w+", cls.TREE_TRIGGER)})
         self._words = [re.compile(t) for t in triggers]
 
     def find(self, text: str) -> str | None:

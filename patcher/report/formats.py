@@ -52,6 +52,11 @@ def concise_text(report: Report) -> str:
             out.append(f"{_shown(report.root, None)}:1:1: {step.spec.id} {NO_MATCH} nothing matched")
     for f in report.skipped:
         out.append(f"{_shown(report.root, f.path)}:1:1: - {SKIPPED} {f.error}")
+    for n in report.notes:
+        out.append(f"{_shown(report.root, n.path)}:{n.line}:{n.column}: {n.step} {n.status} {n.message}")
+    for i in report.import_issues:
+        out.append(f"{_shown(report.root, i.path)}:{i.line}:1: - {'unresolved-import' if i.blocking else 'warning'} "
+                   f"import {i.module}: {i.message}")
     for f in report.changed:
         if f.path not in with_sites:
             what = "new file" if f.original is None else "changed"

@@ -23,7 +23,9 @@ def render_junit(result: CIResult) -> str:
             counts["tests"] += 1
             entry = ev.steps.get(sid)
             if entry is None:
-                ET.SubElement(case, "skipped", message=f"step does not apply to upstream {ev.upstream or '(undetected)'}")
+                anchored = any(spec.anchors for spec in result.recipe.steps if spec.id == sid)
+                ET.SubElement(case, "skipped", message=f"step does not apply to upstream {ev.upstream or '(undetected)'}"
+                              if anchored else "the step found no site at this commit (it has no anchors)")
                 counts["skipped"] += 1
                 continue
             lines = [f"{a['status']}: {a.get('path') or '-'}:{a.get('line') or '-'} {a.get('function') or ''}: {a['message']}"

@@ -59,8 +59,44 @@ def print_summary(report: Report, command: str, verbose: bool = False, color: st
         )
     if report.missing_anchors:
         con.print(f"[yellow]expected but not found in the tree:[/] {', '.join(report.missing_anchors)}")
-    for line in vendored_lines(report):
-        con.print(line, markup=False, highlight=False)
+    for line in survey_lines(report, verbose):
+        con.print(line, highlight=False, markup=False)
+
+
+def _some(items: list[str], verbose: bool, limit: int = 3) -> str:
+    return ", ".join(items if verbose else items[:limit]) + ("" if verbose or len(items) <= limit else f" and {len(items) - limit} more")
+
+
+def survey_lines(report: Report, verbose: bool = False) -> list[str]:
+    """What the run found besides the steps: the decoders, what was left out (folders that look vendored, and
+    ``--exclude``), the sites left alone, unresolved imports."""
+    out = []
+    if report.decoders:
+        out.append(f"decoders: {_some(sorted(report.decoders), verbose, 6)}")
+    out += vendored_lines(report)
+    by: dict[str, list[str]] = {}
+    for path, why in report.excluded.items():
+        by.setdefault(why, []).append(path)
+    for why, paths in by.items():
+        out.append(f"left out ({why}): {len(paths)} file(s): {_some(sorted(paths), verbose)}")
+    notes = report.notes
+    if notes:
+        out.append(f"left alone, {len(notes)} site(s) no step could classify" + ("" if verbose else " (-v lists each)") + ":")
+        per_file: dict[str, list] = {}
+        for n in notes:
+            per_file.setdefault(n.path, []).append(n)
+        for path, found in per_file.items():
+            shown = found if verbose else found[:1]
+            out += [f"  {path}:{n.line}: {n.message}" for n in shown]
+            if len(found) > len(shown):
+                out.append(f"  {path}: and {len(found) - len(shown)} more")
+    quiet = [i for i in report.import_issues if not i.blocking]
+    if quiet:
+        out.append("imports that resolve to nothing (not imported by the decoders):")
+        out += [f"  {i.path}:{i.line}: {i.module}: {i.message}" for i in (quiet if verbose else quiet[:10])]
+        if not verbose and len(quiet) > 10:
+            out.append(f"  and {len(quiet) - 10} more (-v lists each)")
+    return out
 
 
 def vendored_lines(report: Report) -> list[str]:
@@ -80,10 +116,10 @@ def vendored_lines(report: Report) -> list[str]:
 
 def error_lines(report: Report) -> list[str]:
     """One line per failure in ``report``, cause first: skipped files, then steps that no longer match."""
+    out = [f"{i.path}:{i.line}: import {i.module}: {i.message}" for i in report.blocking_imports]
     by_reason: dict[str, list[str]] = {}
     for f in report.skipped:
         by_reason.setdefault(f.error, []).append(f.path)
-    out = []
     for reason, paths in by_reason.items():  # one line per reason, not one per file
         names = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
         out.append(f"skipped {names}: {reason}" if len(paths) == 1 else f"skipped {len(paths)} files ({names}): {reason}")
@@ -96,8 +132,9 @@ def error_lines(report: Report) -> list[str]:
             for a in failed:
                 elsewhere.setdefault(a.function, []).append(s.spec.id)
             continue
-        reasons = "; ".join(a.message for a in failed) or "nothing matched"
-        out.append(f"no-match {s.spec.id}: {reasons}")
+        found = [a.message for a in failed] + [f"{x.path}:{x.line}: {x.message}" for x in s.sites if x.status == NO_MATCH]
+        nothing = "nothing matched" + ("" if report.upstream else " (no layout was detected, so no anchor says where the step must act)")
+        out.append(f"no-match {s.spec.id}: {'; '.join(found) or nothing}")
     if elsewhere:
         steps = sorted({sid for ids in elsewhere.values() for sid in ids})
         out.insert(0 if not report.skipped else len(out), f"{report.root.name} is a single file: {len(steps)} step(s) anchor to functions "
@@ -119,9 +156,10 @@ def apply_error_lines(result: ApplyResult) -> list[str]:
     """Why an apply wrote nothing, after the failures that caused it (``error_lines``)."""
     if not (result.blocked and result.report.changed):
         return []
-    if not (result.report.no_match or result.report.skipped):  # the selection alone blocked it: its own line says so
+    if not (result.report.no_match or result.report.skipped or result.report.blocking_imports):  # the selection alone: its own line
         return []
-    why = "a step is no-match" if result.report.no_match else "a file was skipped"
+    why = ("a step is no-match" if result.report.no_match else "a file was skipped" if result.report.skipped
+           else "an import the decoders need resolves to nothing")
     return [f"nothing written: {why}; use --allow-partial to write the rest"]
 
 

@@ -90,6 +90,7 @@ from .deltarule import _causal, _closed_form_state, _delta_rule
 from .discovery import _cache_keyword, _cache_kwargs, _cache_of, _layer_kinds, hybrid_linear_modules
 from .draft import draft_forward
 from .errors import UnsupportedModelError
+from .legacy import from_legacy_cache, legacy_layer, to_legacy_cache
 from .fastcommit import _chain_replay_mode, _fast_commit
 from .fastpath import (
     _FAST_KERNELS,
@@ -116,10 +117,13 @@ __all__ = [
     "compact_cache",
     "crop_cache",
     "draft_forward",
+    "from_legacy_cache",
     "hybrid_linear_modules",
+    "legacy_layer",
     "options",
     "record_past",
     "tree_commit",
+    "to_legacy_cache",
     "tree_parents_from_mask",
     "verify_forward",
 ]

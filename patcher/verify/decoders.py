@@ -21,6 +21,7 @@ child to import what it runs. Nothing is imported from the tree here.
 from __future__ import annotations
 
 import ast
+import fnmatch
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -87,9 +88,22 @@ def python_files(tree: Path, exclude: tuple[str, ...] = ()):
         rel = path.relative_to(tree)
         if any(part.startswith(".") or part in SKIP_PARTS for part in rel.parts[:-1]) or rel.name.startswith("test_"):
             continue
-        if any(rel.match(glob) or rel.as_posix().startswith(glob.rstrip("/*") + "/") for glob in exclude):
+        if any(excluded(rel, glob) for glob in exclude):
             continue
         yield path, rel
+
+
+def excluded(rel: Path, pattern: str) -> bool:
+    """``--exclude PATTERN`` as check reads it (patcher.engine.pipeline.exclude_globs): a pattern without ``/`` is a
+    file or folder name anywhere (``analysis``, ``profile_*.py``), one with ``/`` a path from the tree's root
+    (``scripts/old/``, ``tools/*.py``); a folder takes everything under it."""
+    pattern = pattern.strip().removeprefix("./").rstrip("/")
+    if not pattern:
+        return False
+    if "/" not in pattern:
+        return any(fnmatch.fnmatch(part, pattern) for part in rel.parts)
+    posix = rel.as_posix()
+    return fnmatch.fnmatch(posix, pattern) or fnmatch.fnmatch(posix, pattern + "/*")
 
 
 def dotted(rel: Path) -> str:

@@ -1,8 +1,9 @@
 """Run an *unpatched* variant in process, to show that a transform kept what the code does.
 
-On a pure-attention target (``tiny-qwen3``) the unpatched code is lossless once three things
+On a pure-attention target (``tiny-qwen3``) the unpatched code is lossless once the things
 that have nothing to do with drift are shimmed: ``DynamicCache.crop`` accepts a 4.x length,
-``torch.cuda.synchronize`` is a no-op and ``datasets`` is a stub. A variant whose unpatched
+``torch.cuda.synchronize`` is a no-op, ``datasets`` is a stub, and 4.x's legacy cache API
+(``to_legacy_cache`` / ``from_legacy_cache``, gone in 5.0) is back, as 4.57 had it. A variant whose unpatched
 code does not reproduce the target's greedy decoding there was broken by its transform, and a
 failing ``verify`` of its patched copy would say nothing about ddpatch.
 
@@ -34,6 +35,13 @@ def _crop_accepting_lengths(original):
     return crop
 
 
+def _from_legacy(cls, past_key_values):
+    cache = cls()
+    for layer_idx, (keys, values) in enumerate(past_key_values or ()):
+        cache.update(keys, values, layer_idx)
+    return cache
+
+
 def _no_dataset(*args, **kwargs):
     raise RuntimeError("the drift suite never loads a dataset")
 
@@ -54,6 +62,9 @@ def shims_and_tree(root: Path):
     sys.modules["datasets"] = fake
     torch.cuda.synchronize = lambda device=None: None
     DynamicCache.crop = _crop_accepting_lengths(old_crop)
+    legacy = {name: DynamicCache.__dict__.get(name) for name in ("to_legacy_cache", "from_legacy_cache")}
+    DynamicCache.to_legacy_cache = lambda self: tuple((layer.keys, layer.values) for layer in self.layers)
+    DynamicCache.from_legacy_cache = classmethod(_from_legacy)
     sys.path.insert(0, str(root))
     bytecode = sys.dont_write_bytecode
     sys.dont_write_bytecode = True  # the copy is also apply's source: leave nothing in it
@@ -63,6 +74,11 @@ def shims_and_tree(root: Path):
         sys.dont_write_bytecode = bytecode
         sys.path.remove(str(root))
         DynamicCache.crop, torch.cuda.synchronize = old_crop, old_sync
+        for name, value in legacy.items():
+            if value is None:
+                delattr(DynamicCache, name)
+            else:
+                setattr(DynamicCache, name, value)
         if old_datasets is None:
             sys.modules.pop("datasets", None)
         else:

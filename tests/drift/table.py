@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drift import outcome  # noqa: E402
-from drift.variants import BY_NAME, VARIANTS  # noqa: E402
+from drift.variants import BY_NAME, NOT_A_DECODER, VARIANTS  # noqa: E402
 
 SHORT = {"applied": "A", "already-applied": "AA", "fixed-upstream": "F", "no-match": "NM", "skipped": "-"}
 
@@ -57,7 +57,9 @@ def main() -> int:
             elif rep.exit_code != 0:
                 chk = outcome.check(src, tmp / "home")
                 row["check"] = chk.exit_code
-            if rep.exit_code == 0:
+            if v.expected == NOT_A_DECODER:
+                row["meets_expectation"] = rep.exit_code == 2 and (rep.error or "").startswith("no DDTree/DFlash decoder found")
+            elif rep.exit_code == 0:
                 row["meets_expectation"] = v.lossless and (args.no_verify or row.get("verify", "").startswith("pass"))
             else:
                 row["meets_expectation"] = (

@@ -29,6 +29,8 @@ from . import transforms as t
 VENDORED = Path(__file__).resolve().parents[2] / "vendored"
 
 LOSSLESS = "lossless"
+#: ``check``, ``diff`` and ``apply`` refuse the tree in one line (exit 2): it holds no DDTree/DFlash decoder
+NOT_A_DECODER = "not a decoder"
 
 
 @dataclass(frozen=True)
@@ -66,11 +68,11 @@ class Variant:
     def __post_init__(self) -> None:
         if isinstance(self.expected, NoMatch):
             self.expected = (self.expected,)
-        exact = self.expected == LOSSLESS or (
+        exact = self.expected in (LOSSLESS, NOT_A_DECODER) or (
             isinstance(self.expected, tuple) and self.expected and all(isinstance(e, NoMatch) for e in self.expected)
         )
         if not exact:
-            raise ValueError(f"{self.name}: expected must be LOSSLESS or a tuple of NoMatch (one outcome), got {self.expected!r}")
+            raise ValueError(f"{self.name}: expected must be LOSSLESS, NOT_A_DECODER or a tuple of NoMatch (one outcome), got {self.expected!r}")
         if self.statuses and self.expected != LOSSLESS:
             raise ValueError(f"{self.name}: required statuses only apply to a lossless variant")
 
@@ -79,7 +81,7 @@ class Variant:
         return self.expected == LOSSLESS
 
     def describe_expected(self) -> str:
-        return LOSSLESS if self.lossless else " + ".join(str(e) for e in self.expected)
+        return self.expected if isinstance(self.expected, str) else " + ".join(str(e) for e in self.expected)
 
     def make(self, dest: Path) -> Path:
         shutil.copytree(VENDORED / self.base, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
@@ -1094,4 +1096,7 @@ _CACHE_KEYWORD = [
 VARIANTS.extend(_CACHE_KEYWORD)
 BY_NAME.update({v.name: v for v in _CACHE_KEYWORD})
 
+# Each module below appends its variants to VARIANTS and BY_NAME when it is first imported; importing either one
+# first imports this module, whose last lines then import the other: every variant is registered once, in any order.
 from . import variants_newest  # noqa: E402,F401  (DFlash's newest upstream: registers its variants here)
+from . import variants_forks  # noqa: E402,F401  (registers the shapes of real forks, issue 39)

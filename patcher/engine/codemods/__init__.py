@@ -11,12 +11,14 @@ from .crop import CropCompat
 from .decorate import DecorateFunction
 from .guard import GuardCall
 from .lazy_import import LazyImport
+from .removed_api import RemovedApi
 from .target_cache_config import TargetCacheConfig
 from .wrap_call import WrapCall
 
 CODEMODS: dict[str, type[Step]] = {
     cls.ID: cls
-    for cls in (TargetCacheConfig, UseAccessor, CropCompat, GuardCall, AttnFallback, LazyImport, WrapCall, DecorateFunction)
+    for cls in (TargetCacheConfig, UseAccessor, CropCompat, GuardCall, AttnFallback, LazyImport, WrapCall, DecorateFunction,
+                RemovedApi)
 }
 
 __all__ = ["CODEMODS", "Step"]

@@ -10,10 +10,12 @@ Statuses and the evidence each rests on:
 * ``applied`` -- ``X.model.embed_tokens`` (X not the model's own ``self``) became
   ``X.get_input_embeddings()``; an attribute chain split over lines is the same chain.
 * ``already-applied`` / ``fixed-upstream`` -- ``X.get_input_embeddings()`` is called
-  (``already-applied`` with ddpatch's provenance line), or upstream reaches the
+  (``already-applied`` with ddpatch's provenance line), or through ``getattr(X, "get_input_embeddings")()``
+  (the same method, the same object in every layout), or upstream reaches the
   embeddings as ``X.model.language_model.embed_tokens``; in the anchor or in a function of
   the tree it calls (an ``_embed(target, ids)`` helper: the engine follows the call).
-* ``no-match`` -- none of these in the anchor or what it calls.
+* ``no-match`` -- none of these in the anchor or what it calls; the message names the form
+  the anchor does reach the embeddings with, if any (``near_miss``).
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ class UseAccessor(Step):
         forms = [chain(params["path"]) + r"\b", re.escape(params["accessor"]) + r"\s*\(\s*\)"]
         forms += [chain(f) + r"\b" for f in params["fixed_forms"]]
         words = dict.fromkeys(f.rsplit(".", 1)[-1] for f in [params["path"], params["accessor"], *params["fixed_forms"]])
-        return ("|".join(re.escape(w) for w in words), skip + r"\.\s*(?:" + "|".join(forms) + ")")
+        via_getattr = r"getattr\([^)]*[\"']" + re.escape(params["accessor"]) + r"[\"']"  # getattr(X, "get_input_embeddings")
+        return ("|".join(re.escape(w) for w in words), skip + r"\.\s*(?:" + "|".join(forms) + ")|" + via_getattr)
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)
@@ -95,12 +98,46 @@ class UseAccessor(Step):
             if dotted(func.value) in self.params["skip_receivers"]:
                 return
             self.record(node, PATCHED, f"`{dotted(node.func) or self.params['accessor']}()` already used")
+        receiver = self._getattr_accessor(func) if not node.args else None
+        if receiver is not None:
+            self.record(node, FIXED_UPSTREAM, f"upstream calls it through `getattr({receiver}, \"{self.params['accessor']}\")()`")
+
+    def _getattr_accessor(self, func: cst.BaseExpression) -> str | None:
+        """``X`` when ``func`` is ``getattr(X, "<accessor>")`` (with or without a default)."""
+        if not (isinstance(func, cst.Call) and dotted(func.func) == "getattr" and len(func.args) in (2, 3)):
+            return None
+        name = func.args[1].value
+        if not (isinstance(name, cst.SimpleString) and name.evaluated_value == self.params["accessor"]):
+            return None
+        receiver = dotted(func.args[0].value)
+        return None if receiver is None or receiver in self.params["skip_receivers"] else receiver
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
         text = dotted(node) or ""
         for form in self.params["fixed_forms"]:
             if text.endswith("." + form) and text[: -len(form) - 1] not in self.params["skip_receivers"]:
                 self.record(node, FIXED_UPSTREAM, f"upstream reaches it as `{text}`")
+
+    @classmethod
+    def near_miss(cls, text: str, function: str, params: dict) -> str | None:
+        """The form an anchor with no site reaches the embeddings with, if any: named in its no-match."""
+        import ast
+
+        word = params["path"].rsplit(".", 1)[-1]
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError, RecursionError):
+            return None
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name == function:
+                for node in ast.walk(fn):
+                    via_getattr = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" and any(
+                        isinstance(a, ast.Constant) and a.value == word for a in node.args)
+                    if via_getattr or isinstance(node, ast.Attribute) and node.attr == word:
+                        seen = ast.unparse(node)
+                        return (f"it reaches the embeddings as `{seen}` (line {node.lineno}), a form this step neither rewrites "
+                                f"nor trusts in every layout: use `X.{params['accessor']}()`")
+        return None
 
     def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> cst.BaseExpression:
         if self._store_depth:

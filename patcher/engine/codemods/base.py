@@ -25,7 +25,7 @@ from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import PositionProvider
 from libcst.metadata.position_provider import PositionProvidingCodegenState
 
-from ...results import ALREADY_APPLIED, APPLIED, FIXED_UPSTREAM, NO_MATCH, Site  # noqa: F401  (re-exported to the steps)
+from ...results import ALREADY_APPLIED, APPLIED, FIXED_UPSTREAM, NO_MATCH, UNCLASSIFIED, Site  # noqa: F401  (re-exported to the steps)
 
 #: A site whose code already has this step's output form; the engine decides whether
 #: ddpatch wrote it (already-applied) or upstream did (fixed-upstream).
@@ -171,6 +171,12 @@ class Step(VisitorBasedCodemodCommand):
         reaches the per-file run this way; the result is merged into the step's params.
         """
         return {}
+
+    @classmethod
+    def near_miss(cls, text: str, function: str, params: dict[str, Any]) -> str | None:
+        """What ``function`` (an anchor, or a helper it calls, with no site and no ``evidence``) does instead, read from
+        its file's ``text``: said in the anchor's no-match, so that a user sees the form ddpatch saw. None: nothing."""
+        return None
 
     def evidence(self, function: cst.FunctionDef) -> str | None:
         """Evidence that ``function`` (an anchor with no site) no longer needs this step.

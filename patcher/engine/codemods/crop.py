@@ -11,7 +11,8 @@ So the step reads each crop's argument (data flow inside the module, ``flow.py``
 * a **5.x count**: a negative literal or ``-(...)``; ``x - <cache>.get_seq_length()``;
   a local name or a helper parameter computed only that way (a parameter through every
   call of the helper in the module);
-* a **4.x length**: anything else that reads no ``get_seq_length()`` and no count;
+* a **4.x length**: anything else that reads no ``get_seq_length()`` and no count, and a cache's
+  length itself (``n = cache.get_seq_length()`` ... ``cache.crop(n)``: 5.x would raise on a count above 0);
 * **ambiguous**: a mix of the two (a name assigned both ways, a helper called with both),
   or an expression that reads ``get_seq_length()`` in another form (``len - n``).
 
@@ -47,7 +48,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from .base import APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, Step, code, dotted, is_runtime_call, runtime_call
+from .base import APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, Step, code, dotted, is_runtime_call, runtime_call, site_positions
 from .flow import CACHE, DRAFT_CACHE, TARGET_CACHE, Fn, ModuleFlow
 
 COUNT = "a 5.x count"
@@ -152,9 +153,11 @@ class CropCompat(Step):
         self.flow: ModuleFlow | None = None
         self._fns: list[Fn | None] = [None]
         self._decisions: dict[cst.Call, tuple[str, str]] = {}
+        self._module: cst.Module | None = None
 
     def visit_Module(self, node: cst.Module) -> bool:
         self.flow = ModuleFlow(node)
+        self._module = node
         return True
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
@@ -174,6 +177,10 @@ class CropCompat(Step):
             return COUNT, f"`{code(expr)}` counts from the cache's length"
         if isinstance(expr, cst.Integer):
             return LENGTH, f"`{code(expr)}` is a length"
+        if _seq_length_call(expr) or isinstance(expr, cst.Call) and dotted(expr.func) == "int" and len(expr.args) == 1 \
+                and _seq_length_call(expr.args[0].value):
+            # a cache's length, read before: cropping back to it is 4.x (5.x raises on a count above 0)
+            return LENGTH, f"`{code(expr)}` is a cache's length"
         name = dotted(expr)
         if name is not None:
             return self._name_meaning(fn, name, seen)
@@ -195,10 +202,11 @@ class CropCompat(Step):
             return LENGTH, f"`{name}`"
         seen = seen | {key}
         if name in fn.assigns:
-            results = [self.meaning(fn, v, seen) for v in fn.assigns[name]]
+            values = fn.assigns[name]
+            results = [self.meaning(fn, v, seen) for v in values]
             kind = _combine({k for k, _ in results})
             if kind == AMBIGUOUS:
-                return AMBIGUOUS, f"`{name}` is assigned both a count and a length ({'; '.join(w for _, w in results)})"
+                return AMBIGUOUS, f"`{name}` is {self._assignments(name, values, results)}"
             return kind, f"`{name}`: " + results[0][1]
         if name in fn.params or name in fn.kwonly:
             results = []
@@ -210,9 +218,27 @@ class CropCompat(Step):
                 return LENGTH, f"`{name}` (a parameter: 4.x code passes lengths)"
             kind = _combine({k for k, _ in results})
             if kind == AMBIGUOUS:
-                return AMBIGUOUS, f"parameter `{name}` is given both counts and lengths by its callers"
+                found = "; ".join(f"{k}: {w}" for k, w in results)
+                return AMBIGUOUS, f"parameter `{name}` is not given one kind by its callers ({found})"
             return kind, f"parameter `{name}`, given " + results[0][1]
         return LENGTH, f"`{name}`"
+
+    def _assignments(self, name: str, values: list, results: list[tuple[str, str]]) -> str:
+        """What each assignment of ``name`` is, with its line: "assigned once, `x - n` (line 9), which ..." or
+        "assigned a 5.x count (line 7: `-k`) and a 4.x length (line 9: `n`)"."""
+        lines = self._lines(values)
+        if len(values) == 1:
+            return f"assigned once{lines[0]}: {results[0][1]}"
+        parts = [f"{kind if kind != AMBIGUOUS else 'an ambiguous value'}{line}: `{code(v)}`"
+                 + (f" ({why})" if kind == AMBIGUOUS else "") for v, (kind, why), line in zip(values, results, lines)]
+        return "assigned " + "; ".join(parts)
+
+    def _lines(self, nodes: list) -> list[str]:
+        """`` (line N)`` for each node of the module being read (computed on this rare no-match path only)."""
+        if self._module is None:
+            return [""] * len(nodes)
+        positions = site_positions(self._module, nodes)
+        return [f" (line {positions[n].start.line})" if n in positions else "" for n in nodes]
 
     # -- sites --------------------------------------------------------------------------
     def _receiver(self, node: cst.Call) -> str | None:

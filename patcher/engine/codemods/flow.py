@@ -6,13 +6,15 @@ decide by what flows where, never by how a variable is spelled:
 * the **drafter** is a model called with ``target_hidden=`` (the target's hidden states),
   or given another model's embeddings or hidden states (``target.model.embed_tokens(...)``,
   ``target.get_input_embeddings()(...)``, ``out.hidden_states`` of another model's call),
-  or called with a cache that is already known to be the draft's, or passed to
-  ``_ddpatch_runtime.draft_forward``;
+  also positionally (``draft(hidden, ...)``, ``model.topk_generate(hidden, ...)``), or called with
+  a cache already known to be the draft's, or passed to ``_ddpatch_runtime.draft_forward``;
 * the **target** is the other model that a function holding a drafter calls with
   ``past_key_values=`` (or one passed to ``_ddpatch_runtime.verify_forward`` or ``adopt_forward``, or called
   with a cache already known to be the target's). A function with no drafter in sight
   names no target: a plain ``model(ids, past_key_values=cache)`` (transformers' own
-  generation code is full of them) is nobody's target;
+  generation code is full of them) is nobody's target, unless ``seeds`` name it (a parameter
+  callers elsewhere in the tree hand the target) or ``loaded_targets`` and it is a causal LM
+  loaded in the function (``flow_tree.py``);
 * the **target cache** is what the target receives as ``past_key_values=``, the **draft
   cache** what the drafter receives; any other cache-looking name (built by a ``*Cache(...)``
   call, a parameter called ``past_key_values`` or annotated as a cache, a receiver of
@@ -33,6 +35,7 @@ from typing import Callable, Iterable, Iterator
 import libcst as cst
 
 from .base import CACHE_KEYWORDS, RUNTIME_MODULE, cache_keyword, dotted, keyword
+from .flow_tree import holds_model, loaded_causal_lm, seeded_params
 
 TARGET = "target"
 DRAFTER = "drafter"
@@ -56,6 +59,7 @@ class ModelCall:
     cache: cst.BaseExpression | None  # what it receives as past_key_values=
     in_loop: bool
     wrapped: str | None = None  # runtime wrapper name, when already wrapped
+    positional: bool = False  # a drafter found by the features it is given positionally, with no cache keyword
 
 
 @dataclass(eq=False)
@@ -68,6 +72,8 @@ class Fn:
     annotations: dict[str, str]
     assigns: dict[str, list[cst.BaseExpression]] = field(default_factory=dict)
     model_calls: list[ModelCall] = field(default_factory=list)
+    #: calls of a parameter or a loaded model with positional arguments and no cache: drafters if fed features
+    feature_calls: list[ModelCall] = field(default_factory=list)
     drafter_calls: list[str] = field(default_factory=list)
     local_calls: list[tuple["Fn", cst.Call, bool]] = field(default_factory=list)  # (callee, call, in_loop)
     returns: list[cst.BaseExpression] = field(default_factory=list)
@@ -211,13 +217,18 @@ class _Collect(cst.CSTVisitor):
         cache = cache_keyword(node)
         if cache is not None or wrapper or drafts:
             fn.model_calls.append(ModelCall(callee, node, cache.value if cache else None, in_loop, wrapper))
+        elif any(a.keyword is None and not a.star for a in node.args) and callee.split(".")[0] not in ("self", "cls"):
+            fn.feature_calls.append(ModelCall(callee, node, None, in_loop, positional=True))
 
 
 class ModuleFlow:
     """Roles of names in every function of a module (see the module docstring)."""
 
-    def __init__(self, module: cst.Module, is_cache_call: Callable[[cst.BaseExpression], bool] | None = None) -> None:
+    def __init__(self, module: cst.Module, is_cache_call: Callable[[cst.BaseExpression], bool] | None = None,
+                 seeds: dict[str, list] | None = None, loaded_targets: bool = False) -> None:
         self.is_cache_call = is_cache_call or _looks_like_cache_call
+        self.seeds = seeds or {}
+        self.loaded_targets = loaded_targets
         self.fns: list[Fn] = []
         self.by_node: dict[cst.FunctionDef, Fn] = {}
         self.by_name: dict[str, list[Fn]] = {}
@@ -280,6 +291,9 @@ class ModuleFlow:
                 ann = fn.annotations.get(p, "")
                 if p.startswith("past_key_values") or ann.split(".")[-1].endswith("Cache"):
                     fn.add(p, CACHE)
+            for p in seeded_params(fn, self.seeds):  # callers elsewhere in the tree hand it the target
+                fn.add(p, TARGET)
+                fn.received.setdefault(p, set()).add(TARGET)
         for _ in range(12):
             changed = False
             for fn in self.fns:
@@ -308,6 +322,13 @@ class ModuleFlow:
                     continue
                 if self._fed_features(fn, mc):
                     changed |= fn.add(mc.callee, DRAFTER)
+        for mc in fn.feature_calls:  # a drafter given the features positionally, with no cache keyword
+            if mc not in fn.model_calls and holds_model(fn, mc.callee.split(".")[0]) and self._fed_features(fn, mc, True):
+                changed |= fn.add(mc.callee, DRAFTER)
+                fn.model_calls.append(mc)
+        for mc in fn.model_calls if self.loaded_targets and not fn.has_drafter else ():  # a causal LM loaded here
+            if mc.cache is not None and loaded_causal_lm(fn, mc.callee):
+                changed |= fn.add(mc.callee, TARGET)
         for mc in fn.model_calls:
             cache = dotted(mc.cache) if mc.cache is not None else None
             if mc.wrapped:
@@ -334,7 +355,7 @@ class ModuleFlow:
                     changed |= fn.add(name, TARGET)
         return changed
 
-    def _fed_features(self, fn: Fn, mc: ModelCall) -> bool:
+    def _fed_features(self, fn: Fn, mc: ModelCall, other_heads: bool = False) -> bool:
         """Whether the call gives its model another model's embeddings or hidden states.
 
         That is what a drafter takes (DFlash: the target's embedding of the block and its
@@ -344,7 +365,9 @@ class ModuleFlow:
         """
         models = {m.callee for m in fn.model_calls}
         # the features must be those of another model called with a cache in this function
-        others = {m.callee for m in fn.model_calls if m.cache is not None and m.callee != mc.callee}
+        # (with other_heads, not of the model's own head: `target.lm_head(out.hidden_states)` is no drafter)
+        others = {m.callee for m in fn.model_calls if m.cache is not None and m.callee != mc.callee
+                  and not (other_heads and m.callee.split(".")[0] == mc.callee.split(".")[0])}
 
         def producer(name: str) -> str | None:
             for value in fn.assigns.get(name, []):

@@ -11,8 +11,9 @@ from .base import RUNTIME_MODULE, ast_dotted, ast_inside, ast_nodes
 def may_have_roles(tree) -> bool:
     """Whether a stdlib ``ast`` module could hold a drafter or a target (the steps' ``may_match``).
 
-    A call with ``target_hidden=``, a call through the runtime, or a function calling two
-    different models with ``past_key_values=`` (a drafter fed another model's features).
+    A call with ``target_hidden=``, a call through the runtime, a function calling two
+    different models with ``past_key_values=`` (a drafter fed another model's features), or
+    one model with a cache and a parameter given that model's features positionally.
     Several steps ask about the same tree: the answer is kept on it.
     """
     known = tree.__dict__.get("_ddpatch_roles")
@@ -31,12 +32,19 @@ def _roles(tree) -> bool:
             return True
         if any(k.arg == "past_key_values" for k in call.keywords) and (ast_dotted(func) or "self").split(".")[0] not in ("self", "cls"):
             model_calls.append(call)
-    if len({ast_dotted(c.func) for c in model_calls} - {None}) < 2:
-        return False  # no function of the file calls two models (most files: a function is not walked at all)
+    if not model_calls:
+        return False  # no function of the file calls a model with a cache (most files: a function is not walked at all)
     for fn in ast_nodes(tree, ast.FunctionDef, ast.AsyncFunctionDef):
         calls = [c for c in model_calls if _within(c, fn)]
+        if not calls:
+            continue
+        every = [c for c in ast.walk(fn) if isinstance(c, ast.Call)]
         callees = {ast_dotted(c.func) for c in calls} - {None}
-        if len(callees) < 2:
+        # a drafter given the features positionally with no cache (`model.topk_generate(hidden, ...)`): a parameter's call
+        params = {a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs} - {"self", "cls"}
+        with_cache = {id(c) for c in calls}
+        positional = [c for c in every if c.args and id(c) not in with_cache and (ast_dotted(c.func) or ".").split(".")[0] in params]
+        if len(callees) < 2 and not positional:
             continue
         assigned: dict[str, list] = {}
         for node in ast.walk(fn):
@@ -45,10 +53,15 @@ def _roles(tree) -> bool:
                     name = ast_dotted(target)
                     if name:
                         assigned.setdefault(name, []).append(node.value)
-        for call in calls:
+        for call in calls if len(callees) >= 2 else ():
             callee = ast_dotted(call.func)
             if callee and any(_ast_fed(arg, callee, callees, assigned, 6, set()) for arg in
                               [*call.args, *(k.value for k in call.keywords if k.arg != "past_key_values")]):
+                return True
+        for call in positional:
+            callee = ast_dotted(call.func)
+            others = {c for c in callees if c.split(".")[0] != callee.split(".")[0]} | {callee}
+            if len(others) > 1 and any(_ast_fed(arg, callee, others, assigned, 6, set()) for arg in call.args):
                 return True
     return False
 

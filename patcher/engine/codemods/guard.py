@@ -21,9 +21,13 @@ Statuses and the evidence each rests on:
   ``if torch.cuda.is_available():`` (spelled through the call's receiver, as above).
 * ``already-applied`` / ``fixed-upstream`` -- it already is inside that exact guard, in either
   spelling (``already-applied`` with ddpatch's provenance line); ``fixed-upstream`` also for a
-  statement inside another ``if`` that tests CUDA or the device, and for an anchor that no
-  longer calls any listed function (``evidence``).
-* ``no-match`` -- an anchor that still names a listed call the step does not match.
+  statement inside another ``if`` that tests CUDA or the device, for a call in a
+  conditional expression or an ``and`` whose test does (``sync() if torch.cuda.is_available() else None``),
+  for one inside a ``try`` whose handler catches what it raises without CUDA (``except Exception``,
+  or both ``RuntimeError`` and ``AssertionError``: a CPU build raises the second, a CUDA build
+  without a device the first), and for an anchor that no longer calls any listed function (``evidence``).
+* ``no-match`` -- an anchor that still names a listed call the step does not match; a call in a
+  conditional expression whose test does not check the device (the site says which).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import libcst as cst
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from .base import APPLIED, FIXED_UPSTREAM, PATCHED, Example, Step, ast_dotted, ast_nodes, code
+from .base import APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, Step, ast_dotted, ast_nodes, code, dotted
 
 
 class GuardCall(Step):
@@ -104,7 +108,7 @@ class GuardCall(Step):
 
     @classmethod
     def may_match(cls, tree: ast.Module, params) -> bool:
-        # a statement that is one call to a guarded function, spelled through any of the file's
+        # a call to a guarded function, spelled through any of the file's
         # imports (`torch.xpu.synchronize()` and `stream.synchronize()` are not)
         bound: dict[str, set[str]] = {}
         called: list[str] = []
@@ -116,11 +120,10 @@ class GuardCall(Step):
             elif not node.level:
                 for a in node.names:
                     bound.setdefault(a.asname or a.name, set()).add(f"{node.module}.{a.name}")
-        for node in ast_nodes(tree, ast.Expr):
-            if isinstance(node.value, ast.Call):
-                name = ast_dotted(node.value.func)
-                if name:
-                    called.append(name)
+        for node in ast_nodes(tree, ast.Call):  # a statement's call, or one in a conditional expression
+            name = ast_dotted(node.func)
+            if name:
+                called.append(name)
         for name in called:
             head, _, rest = name.partition(".")
             spellings = {name} | {b + ("." + rest if rest else "") for b in bound.get(head, ())}
@@ -131,7 +134,70 @@ class GuardCall(Step):
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)
         self._guards: list[str] = []
+        self._catching: list[str] = []  # handlers of the enclosing ``try`` bodies that catch a call's error without CUDA
+        self._suspended: list = []
+        self._unprotected: set[int] = set()  # a try's else and finally blocks
         self._module_imports: set[str] = set()  # top-level packages the module imports unconditionally at top level
+
+    def _listed(self, node: cst.BaseExpression) -> bool:
+        if not isinstance(node, cst.Call):
+            return False
+        return bool({q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())} & set(self.params["calls"]))
+
+    def visit_Try(self, node: cst.Try) -> None:
+        caught = set()
+        for handler in node.handlers:
+            kinds = handler.type
+            names = [dotted(e.value) for e in kinds.elements] if isinstance(kinds, cst.Tuple) else [dotted(kinds)] if kinds else [None]
+            caught |= {n or "BaseException" for n in names}
+        self._catching.append(next((c for c in ("BaseException", "Exception") if c in caught), None)
+                              or ("RuntimeError, AssertionError" if {"RuntimeError", "AssertionError"} <= caught else ""))
+
+        self._unprotected.update(id(n) for n in (node.orelse, node.finalbody) if n is not None)
+
+    def leave_Try(self, original_node: cst.Try, updated_node: cst.Try) -> cst.Try:
+        self._catching.pop()
+        return updated_node
+
+    # a handler, a try's else and its finally run outside the protection of the try they belong to
+    def _unprotect(self, node) -> None:
+        self._suspended.append(self._catching[-1])
+        self._catching[-1] = ""
+
+    def _protect(self, original_node, updated_node):
+        self._catching[-1] = self._suspended.pop()
+        return updated_node
+
+    visit_ExceptHandler = visit_Finally = _unprotect
+    leave_ExceptHandler = leave_Finally = _protect
+
+    def visit_Else(self, node: cst.Else) -> None:
+        self._suspended.append(None if id(node) not in self._unprotected else self._catching[-1])
+        if id(node) in self._unprotected:
+            self._catching[-1] = ""
+
+    def leave_Else(self, original_node: cst.Else, updated_node: cst.Else) -> cst.Else:
+        held = self._suspended.pop()
+        if id(original_node) in self._unprotected:
+            self._catching[-1] = held
+        return updated_node
+
+    def _conditional(self, node, test: cst.BaseExpression, branches: list) -> None:
+        for branch in branches:
+            if self._listed(branch):
+                what, guard = code(branch.func), code(test)
+                if "cuda" in guard or "device" in guard:
+                    self.record(branch, FIXED_UPSTREAM, f"`{what}()` guarded by upstream in an expression (`{code(node)}`)")
+                else:
+                    self.record(branch, NO_MATCH, f"`{what}()` is called in `{code(node)}`, whose test does not check CUDA or "
+                                                  f"the device; guard it with `if {self.params['guard']}:`")
+
+    def visit_IfExp(self, node: cst.IfExp) -> None:
+        self._conditional(node, node.test, [node.body, node.orelse])
+
+    def visit_BooleanOperation(self, node: cst.BooleanOperation) -> None:
+        if isinstance(node.operator, cst.And):
+            self._conditional(node, node.left, [node.right])
 
     def visit_Module(self, node: cst.Module) -> None:
         for stmt in node.body:
@@ -182,6 +248,10 @@ class GuardCall(Step):
             return updated_node
         if any("cuda" in g or "device" in g for g in self._guards):
             self.record(original_node, FIXED_UPSTREAM, f"`{what}()` guarded by upstream (`if {self._guards[-1]}`)")
+            return updated_node
+        if any(self._catching):  # the statement's own try (inside the body, not in a handler: the handler's calls run after)
+            caught = next(c for c in reversed(self._catching) if c)
+            self.record(original_node, FIXED_UPSTREAM, f"`{what}()` guarded by upstream: its `try` catches `{caught}`")
             return updated_node
         self.record(original_node, APPLIED, f"`{what}()` now runs only if {guard}")
         wrapped = cst.If(

@@ -50,9 +50,11 @@ from dataclasses import dataclass
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from .base import APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, Step, code, dotted, is_runtime_call, keyword, runtime_call
+from .base import (APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, UNCLASSIFIED, Example, Step, code, dotted, is_runtime_call, keyword,
+                   runtime_call)
 from .flow import ROLE_TRIGGER, DRAFT_CACHE, DRAFTER, TARGET, TARGET_CACHE, Fn, ModuleFlow, is_role
 from .flow_prefilter import may_have_roles
+from .flow_tree import may_have_targets, target_seeds
 
 CACHE_CLASSES = ("transformers.DynamicCache", "transformers.cache_utils.DynamicCache")
 #: The runtime helpers that lay a target's cache out at its first use (``verify_forward`` adopts too).
@@ -81,7 +83,10 @@ class TargetCacheConfig(Step):
     ID = "target-cache-config"
     DESCRIPTION = "Give the target model's DynamicCache the target's config; keep the target's config off draft caches."
     TRIGGERS = (r"DynamicCache",)
-    PARAMS: dict = {}
+    #: ``seeds``: parameters of the tree's functions that callers elsewhere hand the target (``scan_tree``)
+    PARAMS: dict = {"seeds": {}}
+    #: every file that calls something: the callers that hand a decoder its target are found in them by name
+    TREE_TRIGGER = r"\w\("
     NEEDS_SCOPE = True
     USES_RUNTIME = False  # per file: True once a target call goes through the runtime (``_adoptions``)
     METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider)
@@ -160,11 +165,18 @@ class TargetCacheConfig(Step):
 
     @classmethod
     def triggers(cls, params) -> tuple[str, ...]:
-        return (r"DynamicCache", ROLE_TRIGGER)
+        return (r"DynamicCache", ROLE_TRIGGER + r"|past_key_values|cache\s*=")
 
     @classmethod
     def may_match(cls, tree: ast.Module, params) -> bool:
-        return may_have_roles(tree)  # no role, no site (flow.py)
+        # no role, no site (flow.py); a target no drafter names, or a bare cache given to a model (a note)
+        return may_have_roles(tree) or may_have_targets(tree, params.get("seeds") or {})
+
+    @classmethod
+    def scan_tree(cls, sources: dict[str, str], params) -> dict:
+        """The tree's functions that callers hand the target beside a decoder (``flow_tree.target_seeds``)."""
+        seeds = target_seeds(sources)
+        return {"seeds": seeds} if seeds else {}
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)
@@ -181,13 +193,35 @@ class TargetCacheConfig(Step):
         return any(q.name in CACHE_CLASSES for q in names)
 
     def visit_Module(self, node: cst.Module) -> bool:
-        flow = ModuleFlow(node, self.is_cache_call)
+        flow = ModuleFlow(node, self.is_cache_call, seeds=self.params["seeds"], loaded_targets=True)
         for call, uses in self._creations(flow).items():
             self._decide(flow, call, uses)
         self._adoptions(flow)
+        self._unclassified(flow)
         for fn in flow.fns:
             self._unseen_sources(flow, fn)
         return True
+
+    def _unclassified(self, flow: ModuleFlow) -> None:
+        """A bare cache given to a model that nothing says is the target or the drafter: left alone, and said so."""
+        said: set[int] = set()
+        for fn in flow.fns:
+            for mc in fn.model_calls:
+                roles = fn.role(mc.callee)
+                if mc.cache is None or is_role(roles, TARGET) or is_role(roles, DRAFTER) or mc.wrapped:
+                    continue
+                name = dotted(mc.cache)
+                made = [mc.cache] if flow.is_cache_call(mc.cache) else fn.assigns.get(name, []) if name else []
+                if name and fn.role(name) & {TARGET_CACHE, DRAFT_CACHE}:
+                    continue
+                for creation in made:
+                    if flow.is_cache_call(creation) and not creation.args and id(creation) not in said:
+                        said.add(id(creation))
+                        self.marks.append((creation, UNCLASSIFIED, (
+                            f"left alone: `{code(creation)}` is given to `{mc.callee}(...)` in `{fn.name}`, and nothing says whether "
+                            f"`{mc.callee}` is the target (no drafter in `{fn.name}`, no caller that hands it the target beside a "
+                            f"decoder, not loaded there as a causal LM); a bare cache fails on a hybrid target (get_conv_state): "
+                            f"build it with config={mc.callee}.config if `{mc.callee}` is the target"), fn.name))
 
     # -- caches whose owner the code does not say: the runtime lays them out -------------
     def _adoptions(self, flow: ModuleFlow) -> None:

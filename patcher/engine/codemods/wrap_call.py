@@ -47,7 +47,7 @@ import re
 
 import libcst as cst
 
-from .base import APPLIED, FIXED_UPSTREAM, PATCHED, Example, Step, is_runtime_call, runtime_call
+from .base import APPLIED, CACHE_KEYWORDS, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, Step, is_runtime_call, runtime_call
 from .flow import ROLE_TRIGGER, DRAFTER, TARGET, Fn, ModelCall, ModuleFlow, is_role
 from .flow_prefilter import may_have_roles
 
@@ -201,11 +201,31 @@ def drafter_classes(tree: ast.Module) -> dict[str, str]:
     return out
 
 
+def drafter_forwards(tree: ast.Module) -> dict[str, dict]:
+    """Classes whose ``forward`` takes ``target_hidden``: the parameters a call of the model binds positionally
+    (None when ``forward`` takes ``*args`` or positional-only ones) and the class's other methods."""
+    out = {}
+    for node in ast.walk(tree):
+        forward = _method(node, "forward") if isinstance(node, ast.ClassDef) else None
+        args = forward.args if forward is not None else None
+        if args is None or not any(a.arg == "target_hidden" for a in args.args + args.kwonlyargs):
+            continue
+        params = None if args.vararg or args.posonlyargs else [a.arg for a in args.args[1:]]
+        methods = sorted(n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name != "forward")
+        out[node.name] = {"params": params, "methods": methods}
+    return out
+
+
+def _keyword_arg(name: str, value: cst.BaseExpression) -> cst.Arg:
+    return cst.Arg(value=value, keyword=cst.Name(name), equal=cst.AssignEqual(
+        whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace("")))
+
+
 class WrapCall(Step):
     ID = "wrap-call"
     DESCRIPTION = "Route the target's (or drafter's) call in a decode loop, found by data flow, through a runtime helper."
     TRIGGERS = ()
-    PARAMS = {"role": "target", "helper": "verify_forward", "in_loop": True, "drafter_classes": {}}
+    PARAMS = {"role": "target", "helper": "verify_forward", "in_loop": True, "drafter_classes": {}, "drafter_forwards": {}}
     USES_RUNTIME = True
     EXAMPLES = (
         Example(
@@ -264,21 +284,52 @@ class WrapCall(Step):
         if params["role"] != DRAFTER:
             return {}
         found: dict[str, str] = {}
+        forwards: dict[str, dict] = {}
         for text in sources.values():
             if "target_hidden" not in text:
                 continue
             try:
-                found.update(drafter_classes(ast.parse(text)))
+                tree = ast.parse(text)
             except (SyntaxError, ValueError, RecursionError):
                 continue
-        return {"drafter_classes": found}
+            found.update(drafter_classes(tree))
+            forwards.update(drafter_forwards(tree))
+        return {"drafter_classes": found, "drafter_forwards": forwards}
 
     TREE_TRIGGER = "target_hidden"
+
+    @classmethod
+    def near_miss(cls, text: str, function: str, params: dict) -> str | None:
+        """A model the decoder's class holds (``self.model(..., past_key_values=...)`` in a method), which data flow
+        cannot name from that method: the class and what to do, for the anchor's no-match."""
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError, RecursionError):
+            return None
+        found = []
+        for owner in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for method in (m for m in owner.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))):
+                for call in (c for c in ast.walk(method) if isinstance(c, ast.Call)):
+                    callee = ast.unparse(call.func)
+                    if callee.startswith("self.") and any(k.arg in CACHE_KEYWORDS for k in call.keywords):
+                        found.append((owner.name, method.name, callee, call.lineno))
+        drafters = drafter_classes(tree)  # a drafter's own forward calling its layers is no verify
+        found = [f for f in found if f[0] not in drafters]
+        if not found:
+            return None
+        cls_name, method, callee, line = found[0]
+        what = "the verify" if params["role"] == TARGET else "the draft call"
+        helper = params["helper"]
+        return (f"{what} looks like `{callee}(...)` in `{cls_name}.{method}` (line {line}), a model the class holds: data flow "
+                f"reads one function, and `{cls_name}.{method}` calls no {'drafter' if params['role'] == TARGET else 'target'} "
+                f"beside it, so ddpatch cannot route it; route it yourself, `_ddpatch_runtime.{helper}({callee}, ...)` "
+                "(`apply --allow-partial` copies the runtime), then prove the tree with `ddpatch verify`")
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)
         self.flow: ModuleFlow | None = None
-        self.wrap: dict[cst.Call, str] = {}
+        self.wrap: dict[cst.Call, tuple[str, str, list[str] | None]] = {}
+        self._tree: ast.Module | None = None
         self._module: cst.Module | None = None
         self._classes: dict[str, str] | None = None
 
@@ -300,13 +351,48 @@ class WrapCall(Step):
                 if self.params["in_loop"] and not (mc.in_loop or self._only_called_in_loops(fn)):
                     continue
                 evidence = self._masks_itself(fn, mc) if role == DRAFTER else None
+                keywords, refusal = self._positional(fn, mc) if role == DRAFTER and not evidence else (None, None)
                 if evidence:
                     self.record(mc.call, FIXED_UPSTREAM, f"the drafter builds its own sliding-window masks: {evidence}", function=fn.name)
+                elif refusal:
+                    self.record(mc.call, NO_MATCH, refusal, function=fn.name)
                 else:
                     # say where the call is, not what the loop is: `for layer in self.layers` is a loop, not the decode loop
                     where = f"in a loop of `{fn.name}`" if mc.in_loop or not self.params["in_loop"] else f"in `{fn.name}` (called only from loops)"
-                    self.wrap[mc.call] = (mc.callee, where)
+                    self.wrap[mc.call] = (mc.callee, where, keywords)
         return True
+
+    def _positional(self, fn: Fn, mc: ModelCall) -> tuple[list[str] | None, str | None]:
+        """For a drafter call with positional arguments: the parameter names they bind to (``draft_forward`` reads
+        ``position_ids=`` and the cache by keyword), or why the call cannot be routed."""
+        positional = [a for a in mc.call.args if a.keyword is None]
+        forwards = {**(self.params["drafter_forwards"] or {}), **drafter_forwards(self._ast())}
+        head, _, attr = mc.callee.partition(".")
+        if head in ("self", "cls"):  # `self.draft(...)`: a model the class holds, called itself
+            head, attr = mc.callee, ""
+        name = self._drafter_class(fn, ModelCall(head, mc.call, mc.cache, mc.in_loop)) if attr else self._drafter_class(fn, mc)
+        known = [forwards[name]] if name in forwards else list(forwards.values())
+        if attr and attr != "forward" and any(attr in k["methods"] for k in known) or attr and not known:
+            return None, (f"the drafter is called through its method `{mc.callee}(...)`: draft_forward routes a call of the drafter "
+                          "model itself, and cannot give the windowed layers inside that method their sliding masks; route the "
+                          "method's own model calls through `_ddpatch_runtime.draft_forward`, or, for a drafter without "
+                          "sliding-window layers, --ignore draft-sliding-window --allow-lossy")
+        if not positional:
+            return None, None
+        params = {tuple(k["params"]) if k["params"] is not None else None for k in known}
+        if len(params) != 1 or None in params or any(a.star for a in mc.call.args) or len(positional) > len(next(iter(params))):
+            return None, (f"the drafter `{mc.callee}(...)` is called with positional arguments, and no one drafter class's "
+                          "`forward` in the tree binds them: draft_forward reads position_ids= and the cache by keyword; "
+                          "pass them by keyword")
+        return list(next(iter(params))[: len(positional)]), None
+
+    def _ast(self) -> ast.Module:
+        if self._tree is None:
+            try:
+                self._tree = ast.parse(self._module.code)
+            except (SyntaxError, ValueError, RecursionError):
+                self._tree = ast.Module(body=[], type_ignores=[])
+        return self._tree
 
     def _inside_drafter(self, fn: Fn) -> bool:
         """``fn`` is a method of a drafter class (one whose ``forward`` takes ``target_hidden``): the
@@ -362,9 +448,14 @@ class WrapCall(Step):
         wrapped = self.wrap.get(original_node)
         if wrapped is None:
             return updated_node
-        callee, where = wrapped
+        callee, where, keywords = wrapped
         what = "the target" if self.params["role"] == TARGET else "the drafter"
-        self.record(original_node, APPLIED, f"{what} `{callee}(...)` {where} -> `{self.params['helper']}({callee}, ...)`")
+        bound = f" (its positional arguments bound by keyword: {', '.join(keywords)})" if keywords else ""
+        self.record(original_node, APPLIED, f"{what} `{callee}(...)` {where} -> `{self.params['helper']}({callee}, ...)`{bound}")
+        if keywords:  # `draft(a, b, ...)` -> `draft(position_ids=a, ...)`: the same binding, by keyword
+            args = list(updated_node.args)
+            updated_node = updated_node.with_changes(args=[_keyword_arg(k, a.value).with_changes(comma=a.comma)
+                                                           for k, a in zip(keywords, args)] + args[len(keywords):])
         if is_runtime_call(updated_node, "adopt_forward"):  # already model first: swap the helper, keep the arguments
             return runtime_call(self, self.params["helper"], updated_node.args).with_changes(
                 whitespace_before_args=updated_node.whitespace_before_args
