@@ -47,9 +47,12 @@ def load(tree: Path, pair: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from patcher.verify.worker import find_entry_points, import_entry_points
+    from patcher.verify import decoders, methods
+    from patcher.verify.events import error_summary
 
-    fns = import_entry_points(tree, find_entry_points(tree))
+    loaded = methods.load(tree, decoders.plan(tree), [8], error_summary)
+    by_label = {m.decoder["label"]: m.fn for m in loaded.methods if m.fn is not None}
+    fns = {"dflash_generate": by_label["dflash"], "ddtree_generate": by_label.get("ddtree"), "DFlashDraftModel": loaded.drafters[loaded.primary]}
     target = AutoModelForCausalLM.from_pretrained(pair / "target", dtype=torch.float32, local_files_only=True).eval()
     draft = fns["DFlashDraftModel"].from_pretrained(pair / "draft", dtype=torch.float32, local_files_only=True).eval()
     tok = AutoTokenizer.from_pretrained(pair / "target", local_files_only=True)

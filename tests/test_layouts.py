@@ -120,10 +120,10 @@ def checks_of(payload: dict) -> dict:
 def test_the_verifier_knows_every_decoder_the_recipe_anchors():
     import tomllib
 
-    from patcher.verify.worker import ENTRY_POINTS
+    from patcher.verify.decoders import CANONICAL
 
     recipe = tomllib.loads((ROOT / "recipes" / "qwen3_6-gdn.toml").read_text())
-    known = {name for names in ENTRY_POINTS.values() for name in names}
+    known = {name for names in CANONICAL.values() for name in names}
     decoders = {a for up in recipe["upstreams"].values() for a in up["anchors"] if a.endswith("_generate")}
     assert decoders and decoders <= known, decoders - known
 

@@ -111,7 +111,8 @@ def decode(fns, kind: str, perturb_call: int | None = None, eps: float = 1e-5, s
     from patcher.verify.models import greedy, load_preset
 
     torch.set_num_threads(1)
-    target, draft, mask = load_preset("tiny-qwen3_5", 0, fns["draft_cls"], 4)
+    target, drafts, mask, _notes = load_preset("tiny-qwen3_5", 0, {"DFlashDraftModel": fns["draft_cls"]}, 4)
+    draft = drafts["DFlashDraftModel"]
     prompt = torch.randint(0, mask, (1, 8), generator=torch.Generator().manual_seed(seed))
     reference = greedy(target, prompt, new_tokens)
     script = oracle.ScriptedDraft(target, prompt[0].tolist() + reference, seed=seed, forbidden=[mask])

@@ -136,7 +136,7 @@ def test_unpatched_tree_fails_to_load_with_a_hint():
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["verify", ROOT / "patcher"], "is not a DDTree/DFlash tree"),
+        (["verify", ROOT / "docs"], "no DDTree/DFlash decoder found in"),
         (["verify", ROOT / "vendored" / "ddtree", "--target", "/no/such/model", "--draft", "/no/such/draft"], "does not exist"),
         (["verify", ROOT / "vendored" / "ddtree", "--target", ROOT], "or --scripted-draft"),
         (["verify", ROOT / "vendored" / "ddtree", "--draft", ROOT], "--draft needs --target"),

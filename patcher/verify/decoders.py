@@ -10,8 +10,8 @@ is reached through the functions of the tree that call it (``dflash_generate`` c
 ``_decode_rounds``). ``--entry FILE:FUNCTION`` (``[tool.ddpatch] entry``) picks decoders by hand.
 
 A *drafter class* is a class whose ``forward`` takes the target's features (``target_hidden`` or a
-spelling forks use) and a noise embedding, or a subclass of one (DFlash2's ``DFlash2DraftModel``);
-a name defined twice (DFlash's ``model.py`` and ``model_mlx.py``) is one drafter, the child takes the
+spelling forks use) and a noise embedding, or that is named as upstream names its drafters
+(``...DraftModel``), or a subclass of one (DFlash2's ``DFlash2DraftModel``); a name defined twice (DFlash's ``model.py`` and ``model_mlx.py``) is one drafter, the child takes the
 definition that imports.
 
 Static (``ast``), stdlib only: the parent uses it to check ``--entry`` and to report coverage, the
@@ -179,9 +179,12 @@ def _params(node) -> list[str]:
 
 
 def _is_drafter_class(node: ast.ClassDef) -> bool:
+    """Its forward takes the target's features and a noise embedding, or it is named as upstream names its drafters
+    (``DFlashDraftModel``, ``...DraftModel``: a fork that renames the features' parameter keeps its drafter)."""
     forward = next((f for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name == "forward"), None)
     params = _params(forward) if forward is not None else []
-    return any(p in FEATURE_NAMES for p in params) and any(p in NOISE_NAMES for p in params)
+    by_name = node.name.endswith("DraftModel") and forward is not None
+    return by_name or (any(p in FEATURE_NAMES for p in params) and any(p in NOISE_NAMES for p in params))
 
 
 def _base_names(node: ast.ClassDef) -> list[str]:
