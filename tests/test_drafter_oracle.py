@@ -179,6 +179,7 @@ def unbindable(tree):
          ("self.fc(target_hidden)", "self.fc(ctx_states)"))
     for rel in (CHAIN, TREE_):
         edit(tree, rel, ("target_hidden=target_hidden,", "ctx_states=target_hidden,"))
+    edit(tree, "model/dflash.py", ("target_hidden=context,", "ctx_states=context,"))  # the drafter's own spec_generate
 
 
 def test_a_drafter_it_cannot_bind_is_a_visible_skip_not_a_pass(full, tmp_path):
