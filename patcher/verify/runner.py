@@ -6,7 +6,9 @@ a warm verifier fork one (``warm_verifier``, ``warm.py``), with a
 timeout, in a temporary working directory, offline, with bytecode writing off, passes the
 child's progress lines to ``progress``, and returns the child's final result as an
 ``Outcome`` (``patcher.report`` renders it). It passed only if every check passed; a crash
-of the verifier itself is ``VerifierCrash`` (exit 3), never a verdict.
+of the verifier itself is ``VerifierCrash`` (exit 3), never a verdict; a child that died
+without a result is named by how it ended (its signal, its peak memory) and what to try
+(``exitstatus``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from ..errors import VerifierCrash, VerifyError
 from ..results import Outcome
+from . import exitstatus
 from .trained import folder_preset_options
 
 DEFAULTS = dict(
@@ -65,18 +68,24 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
     log: list[str] = []
     result = None
     deadline = start + timeout
+    oom_before = exitstatus.oom_kills()
+    death = None
     with tempfile.TemporaryDirectory(prefix="ddpatch-verify-") as workdir:
         child = _forked_child(cfg, env, workdir, deadline) or _FreshChild(cfg, env, workdir)
         try:
             result = _read_events(child, deadline, progress, log)
+            if result is None and time.perf_counter() < deadline:  # its output ended: how did it end?
+                death = child.death()
         finally:
             child.kill()
     seconds = time.perf_counter() - start
     if result is None:
-        if seconds >= timeout:
+        if death is None:
             raise VerifyError(f"verify timed out after {timeout:.0f} s (raise --timeout, or use a smaller preset)")
+        death.oom_before, death.oom_after, death.limit = oom_before, exitstatus.oom_kills(), exitstatus.memory_limit()
         tail = " | ".join(line.strip() for line in log[-3:] if line.strip())
-        raise VerifierCrash(f"internal error: the verifier process died without a result: {tail or 'no output'}")
+        raise VerifierCrash(f"internal error: the verifier process died without a result: {death.describe(cfg)}; "
+                            f"last output: {tail or 'none'}")
     if result.get("crash"):
         raise VerifierCrash(f"internal error: {result['crash']}")
     if result.get("fatal"):
@@ -115,12 +124,31 @@ class _FreshChild:
             start_new_session=True,
         )
         self.stdout = self.proc.stdout
+        self.peak_rss = None  # bytes, sampled while it runs (``sample``)
         self.proc.stdin.write(json.dumps(cfg))
         self.proc.stdin.close()
         warm_stats["fresh"] += 1
 
+    def sample(self) -> None:
+        self.peak_rss = exitstatus.rss_high_water(self.proc.pid) or self.peak_rss
+
     def exited(self) -> bool:
-        return self.proc.poll() is not None
+        if self.proc.returncode is not None:
+            return True
+        try:  # without reaping it: its exit status and rusage are read by ``death``
+            return os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            return True
+
+    def death(self, grace: float = 10.0) -> exitstatus.Death:
+        """How it ended: waits up to ``grace`` s for it to exit, then reaps it with its rusage."""
+        death = (exitstatus.reap(self.proc.pid, grace) if self.proc.returncode is None
+                 else exitstatus.Death(known=False, unknown_why="already reaped"))
+        if death.known:
+            self.proc.returncode = -death.signal if death.signal is not None else death.code
+        if death.peak_rss is None:
+            death.peak_rss = self.peak_rss
+        return death
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -157,7 +185,15 @@ class _ForkedChild:
     def __init__(self, pid: int, read_fd: int) -> None:
         self.pid = pid
         self.stdout = os.fdopen(read_fd, "r", encoding="utf-8")
+        self.peak_rss = None  # bytes, sampled while it runs: the only figure left once the server reaped it
         warm_stats["forked"] += 1
+
+    def sample(self) -> None:
+        self.peak_rss = exitstatus.rss_high_water(self.pid) or self.peak_rss
+
+    def death(self) -> exitstatus.Death:
+        """Its exit status is the warm verifier's to read (it reaps at once): unknown here."""
+        return exitstatus.Death(known=False, peak_rss=self.peak_rss)
 
     def exited(self) -> bool:
         try:
@@ -249,10 +285,15 @@ def _read_events(child, deadline: float, progress, log: list[str]) -> dict | Non
 
     sel = selectors.DefaultSelector()
     sel.register(child.stdout, selectors.EVENT_READ)
+    sampled = 0.0
     while True:
-        remaining = deadline - time.perf_counter()
+        now = time.perf_counter()
+        remaining = deadline - now
         if remaining <= 0:
             return None
+        if now - sampled >= 1.0:  # its peak memory, for the message if it dies
+            child.sample()
+            sampled = now
         if not sel.select(timeout=min(remaining, 1.0)):
             if child.exited():
                 return None
