@@ -279,8 +279,8 @@ def patched_tree(dest: Path) -> Path:
     return dest
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and its descendants, now (0 when it is gone)."""
+def process_tree(pid: int) -> dict[int, int]:
+    """``pid`` and its descendants (the verifier's child leads a session of its own): pid -> resident bytes now."""
     children: dict[int, list[int]] = {}
     rss: dict[int, int] = {}
     for entry in os.listdir("/proc"):
@@ -293,12 +293,27 @@ def tree_rss(pid: int) -> int:
             rss[int(entry)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
         except (OSError, ValueError, IndexError):
             continue
-    total, todo = 0, [pid]
+    found, todo = {}, [pid]
     while todo:
         p = todo.pop()
-        total += rss.get(p, 0)
+        found[p] = rss.get(p, 0)
         todo += children.get(p, [])
-    return total
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL every descendant of ``pid`` (a process group would miss the verifier's child, which leads a session
+    of its own), then ``pid`` itself 15 s later unless it exited (ddpatch reports its child's death meanwhile)."""
+    for p in reversed(list(process_tree(pid))[1:]):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for _ in range(150):
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
 
 
 def watched(command: list[str], time_limit: float, max_rss: float, **popen) -> tuple[dict, str, str]:
@@ -313,14 +328,14 @@ def watched(command: list[str], time_limit: float, max_rss: float, **popen) -> t
         if pid:
             break
         elapsed = time.perf_counter() - start
-        now = tree_rss(proc.pid)
+        now = sum(process_tree(proc.pid).values())
         sampled_peak = max(sampled_peak, now)
         if not timeline or elapsed - timeline[-1][0] >= 10:
             timeline.append((round(elapsed, 1), round(now / 2**30, 2)))
         if stopped is None and (now > max_rss * 2**30 or elapsed > time_limit + 60):
             stopped = (f"stopped by the benchmark at {elapsed:.0f} s: resident memory {now / 2**30:.1f} GiB > --max-rss-gb {max_rss:g}"
                        if now > max_rss * 2**30 else f"stopped by the benchmark past --time-limit {time_limit:g} s")
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
         time.sleep(1.0)
     wall = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)

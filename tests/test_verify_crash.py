@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -39,6 +40,9 @@ FAKE_WORKER = textwrap.dedent("""
     ballast = bytearray(int(os.environ.get("DDPATCH_TEST_BALLAST", "0")))
     for i in range(0, len(ballast), 4096):  # touch every page: resident, not only reserved
         ballast[i] = 1
+    if os.environ.get("DDPATCH_TEST_PID"):
+        with open(os.environ["DDPATCH_TEST_PID"], "w") as f:
+            f.write(str(os.getpid()))
     if how == "sleep":
         time.sleep(60)
     elif how.startswith("exit"):
@@ -129,6 +133,42 @@ def test_a_timeout_is_still_a_timeout(dies, tmp_path, monkeypatch):
     with pytest.raises(VerifyError) as info:
         runner.run_verify(tmp_path, timeout=2)
     assert not isinstance(info.value, VerifierCrash) and "timed out" in str(info.value)
+
+
+def test_a_killed_ddpatch_takes_its_child_with_it(tmp_path):
+    """The child leads a session of its own: a SIGKILL to the verify's process must still end it (PR_SET_PDEATHSIG),
+    or it runs on, holding the target's memory, after the command that started it is gone."""
+    worker, pid_file = tmp_path / "fake_worker.py", tmp_path / "worker.pid"
+    worker.write_text(FAKE_WORKER)
+    script = ("import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); from patcher.verify import runner; "
+              "runner.WORKER = Path(sys.argv[2]); runner.run_verify(Path(sys.argv[3]), timeout=120)")
+    env = {k: v for k, v in os.environ.items() if k != runner.WARM_ENV}
+    env.update(DDPATCH_TEST_DEATH="sleep", DDPATCH_TEST_PID=str(pid_file))
+    parent = subprocess.Popen([sys.executable, "-c", script, str(ROOT), str(worker), str(tmp_path)], env=env)
+    try:
+        for _ in range(200):
+            if pid_file.is_file() and pid_file.read_text():
+                break
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        parent.kill()
+        parent.wait()
+        for _ in range(100):
+            if not _running(child):
+                return
+            time.sleep(0.05)
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the verifier's child outlived the process that started it")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def _running(pid: int) -> bool:
+    try:
+        return " Z " not in Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
 
 
 def test_exitstatus_reads_this_machine():

@@ -108,6 +108,30 @@ def child_env() -> dict:
 WORKER = Path(__file__).with_name("worker.py")
 
 
+def _parent_death_signal():
+    """A ``preexec_fn`` that has the child SIGKILLed when this process dies (Linux ``PR_SET_PDEATHSIG``), or None.
+
+    The child leads a session of its own (a timeout kills its group), so a signal to this process's group never
+    reaches it: without this, a ``ddpatch verify`` killed from outside (SIGKILL, SIGTERM, a closed terminal) would
+    leave its child running on, holding the target's memory. Resolved here, before the fork: the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return arm
+
+
 class _FreshChild:
     """``python worker.py`` in a process of its own (by path, not -m: the child must not have
     the patcher package importable, see worker.child_package)."""
@@ -122,6 +146,7 @@ class _FreshChild:
             env=env,
             text=True,
             start_new_session=True,
+            preexec_fn=_parent_death_signal(),
         )
         self.stdout = self.proc.stdout
         self.peak_rss = None  # bytes, sampled while it runs (``sample``)
