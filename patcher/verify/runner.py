@@ -6,7 +6,9 @@ a warm verifier fork one (``warm_verifier``, ``warm.py``), with a
 timeout, in a temporary working directory, offline, with bytecode writing off, passes the
 child's progress lines to ``progress``, and returns the child's final result as an
 ``Outcome`` (``patcher.report`` renders it). It passed only if every check passed; a crash
-of the verifier itself is ``VerifierCrash`` (exit 3), never a verdict.
+of the verifier itself is ``VerifierCrash`` (exit 3), never a verdict; a child that died
+without a result is named by how it ended (its signal, its peak memory) and what to try
+(``exitstatus``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 
 from ..errors import VerifierCrash, VerifyError
 from ..results import Outcome
-from . import decoders
+from . import decoders, exitstatus
 from .trained import FOLDER_PRESETS, folder_preset_options, pair_options
 from .warm import PARENT_ENV
 
@@ -82,6 +84,8 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
     log: list[str] = []
     result = None
     deadline = start + timeout
+    oom_before = exitstatus.oom_kills()
+    death = None
     with tempfile.TemporaryDirectory(prefix="ddpatch-verify-") as workdir:
         children = []
         try:
@@ -89,16 +93,20 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
                 children.append(_forked_child(part, env, workdir, deadline) or _FreshChild(part, env, workdir))
             results = [_read_events(child, deadline, progress, log) for child in children] if len(children) == 1 else \
                 _read_all(children, deadline, progress, log)
+            if any(r is None for r in results) and time.perf_counter() < deadline:  # an output ended: how did it end?
+                death = next(c.death() for c, r in zip(children, results) if r is None)
         finally:
             for child in children:
                 child.kill()
     result = merged(results)
     seconds = time.perf_counter() - start
     if result is None:
-        if seconds >= timeout:
+        if death is None:
             raise VerifyError(f"verify timed out after {timeout:.0f} s (raise --timeout, or use a smaller preset)")
+        death.oom_before, death.oom_after, death.limit = oom_before, exitstatus.oom_kills(), exitstatus.memory_limit()
         tail = " | ".join(line.strip() for line in log[-3:] if line.strip())
-        raise VerifierCrash(f"internal error: the verifier process died without a result: {tail or 'no output'}")
+        raise VerifierCrash(f"internal error: the verifier process died without a result: {death.describe(cfg)}; "
+                            f"last output: {tail or 'none'}")
     if result.get("crash"):
         raise VerifierCrash(f"internal error: {result['crash']}")
     if result.get("fatal"):
@@ -147,6 +155,30 @@ def child_env() -> dict:
 WORKER = Path(__file__).with_name("worker.py")
 
 
+def _parent_death_signal():
+    """A ``preexec_fn`` that has the child SIGKILLed when this process dies (Linux ``PR_SET_PDEATHSIG``), or None.
+
+    The child leads a session of its own (a timeout kills its group), so a signal to this process's group never
+    reaches it: without this, a ``ddpatch verify`` killed from outside (SIGKILL, SIGTERM, a closed terminal) would
+    leave its child running on, holding the target's memory. Resolved here, before the fork: the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+
+    return arm
+
+
 class _FreshChild:
     """``python worker.py`` in a process of its own (by path, not -m: the child must not have
     the patcher package importable, see worker.child_package)."""
@@ -161,14 +193,34 @@ class _FreshChild:
             env=env,
             text=True,
             start_new_session=True,
+            preexec_fn=_parent_death_signal(),
         )
         self.stdout = self.proc.stdout
+        self.peak_rss = None  # bytes, sampled while it runs (``sample``)
         self.proc.stdin.write(json.dumps(cfg))
         self.proc.stdin.close()
         warm_stats["fresh"] += 1
 
+    def sample(self) -> None:
+        self.peak_rss = exitstatus.rss_high_water(self.proc.pid) or self.peak_rss
+
     def exited(self) -> bool:
-        return self.proc.poll() is not None
+        if self.proc.returncode is not None:
+            return True
+        try:  # without reaping it: its exit status and rusage are read by ``death``
+            return os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:
+            return True
+
+    def death(self, grace: float = 10.0) -> exitstatus.Death:
+        """How it ended: waits up to ``grace`` s for it to exit, then reaps it with its rusage."""
+        death = (exitstatus.reap(self.proc.pid, grace) if self.proc.returncode is None
+                 else exitstatus.Death(known=False, unknown_why="already reaped"))
+        if death.known:
+            self.proc.returncode = -death.signal if death.signal is not None else death.code
+        if death.peak_rss is None:
+            death.peak_rss = self.peak_rss
+        return death
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -205,7 +257,15 @@ class _ForkedChild:
     def __init__(self, pid: int, read_fd: int) -> None:
         self.pid = pid
         self.stdout = os.fdopen(read_fd, "r", encoding="utf-8")
+        self.peak_rss = None  # bytes, sampled while it runs: the only figure left once the server reaped it
         warm_stats["forked"] += 1
+
+    def sample(self) -> None:
+        self.peak_rss = exitstatus.rss_high_water(self.pid) or self.peak_rss
+
+    def death(self) -> exitstatus.Death:
+        """Its exit status is the warm verifier's to read (it reaps at once): unknown here."""
+        return exitstatus.Death(known=False, peak_rss=self.peak_rss)
 
     def exited(self) -> bool:
         try:
@@ -343,10 +403,15 @@ def _read_events(child, deadline: float, progress, log: list[str]) -> dict | Non
 
     sel = selectors.DefaultSelector()
     sel.register(child.stdout, selectors.EVENT_READ)
+    sampled = 0.0
     while True:
-        remaining = deadline - time.perf_counter()
+        now = time.perf_counter()
+        remaining = deadline - now
         if remaining <= 0:
             return None
+        if now - sampled >= 1.0:  # its peak memory, for the message if it dies
+            child.sample()
+            sampled = now
         if not sel.select(timeout=min(remaining, 1.0)):
             if child.exited():
                 return None

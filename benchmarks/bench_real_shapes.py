@@ -1,0 +1,422 @@
+"""`ddpatch verify --target DIR --scripted-draft` at Qwen3.6-27B's real per-layer sizes, on this machine.
+
+    python benchmarks/bench_real_shapes.py                          # 4 layers, the real 248,320-token vocabulary
+    python benchmarks/bench_real_shapes.py --vocab 32768            # the same layers, a smaller vocabulary
+    python benchmarks/bench_real_shapes.py --vocab 8192 --layers 4 --json
+    python benchmarks/bench_real_shapes.py --build-only             # only make (or find) the target folder
+    python benchmarks/bench_real_shapes.py --vocab 32768 --profile  # where verify's time and memory go
+
+The target is a Qwen3.5-architecture hybrid (``Qwen3_5ForCausalLM``) with Qwen3.6-27B's text config
+(``bench_rollback.QWEN3_6_27B``: hidden 5,120, MLP 17,408, 24 query / 4 KV heads of 256 with the output
+gate, partial rotary 0.25, Gated DeltaNet with 16 QK / 48 V heads of 128), an untied LM head, in
+bfloat16, with ``--layers`` layers (default 4: three Gated DeltaNet, then one full attention, as every
+fourth layer of the real model) and a ``--vocab``-token vocabulary (default the real 248,320: 4.06 B
+parameters, 8.1 GB). Weights are random, seeded, and made by the model class's own ``_init_weights``
+one module at a time on a model that lives on the meta device: no float32 copy and never the whole
+model in memory (the peak is the largest module, the 2.5 GB embedding); they are streamed into one
+safetensors file. The folder is built once and kept (``--folder``, default /tmp/ddpatch-real-shapes),
+named by its sizes and seed; a folder is complete only once its ``bench_real_shapes.json`` is written.
+
+It then patches vendored/ddtree (``python -m patcher apply``) into a temporary folder and runs, as a
+user would::
+
+    python3 -m patcher verify TREE --target DIR --scripted-draft --dtype bfloat16 --format json --timeout T
+
+and prints its wall time, CPU time (user + system, of the verify and every process it waited for: the
+verifier's child) and peak RSS (the largest process of that tree: ``os.wait4``'s rusage), its exit code
+and its verdict or error line. While it runs the tree's resident memory is sampled every second: the
+run is stopped (SIGKILL to its process group) past ``--max-rss-gb`` or ``--time-limit``, so that a
+hopeless run on a shared machine ends with figures instead of taking the machine with it.
+
+``--profile`` runs the same verify in one process of its own (the verifier's ``worker.run``, imported as
+``patcher.verify.worker``, on the same settings) with timing wrappers on the verifier's named steps
+(``PROFILED``; a name this checkout lacks is listed as absent) and hooks on the target, and prints per
+step: calls, seconds (inclusive: a step's time holds the steps it calls), the target forwards it ran
+directly (count, tokens fed, logits rows computed, seconds in them and in the LM head), and how much it
+raised the process's peak RSS. The figures are for the code in this checkout: rerun after a change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+REAL_VOCAB = 248_320
+#: Qwen3.6-27B's text config, as in bench_rollback.py (Qwen/Qwen3.6-27B config.json, transcribed there).
+QWEN3_6_27B = dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                   linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                   linear_conv_kernel_dim=4, full_attention_interval=4)
+MARKER = "bench_real_shapes.json"
+SAFETENSORS_DTYPE = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
+
+
+# ----------------------------------------------------------------------------- the target folder
+def text_config(vocab: int, layers: int):
+    from transformers import Qwen3_5TextConfig
+
+    dims = dict(QWEN3_6_27B)
+    interval = dims.pop("full_attention_interval")
+    layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    return Qwen3_5TextConfig(vocab_size=vocab, num_hidden_layers=layers, layer_types=layer_types, tie_word_embeddings=False,
+                             max_position_embeddings=4096, **dims)
+
+
+def folder_for(root: Path, vocab: int, layers: int, seed: int) -> Path:
+    return root / f"qwen3_6-27b-shapes-L{layers}-V{vocab}-s{seed}"
+
+
+def build_target(dest: Path, vocab: int, layers: int, seed: int) -> dict:
+    """Write the target folder (config.json, model.safetensors) into ``dest``; returns what was built."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+
+    start = time.perf_counter()
+    config = text_config(vocab, layers)
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(config)
+    model.to(torch.bfloat16)  # on the meta device: nothing is allocated
+    model.config.architectures = [type(model).__name__]
+    model.config.dtype = torch.bfloat16
+    owners = [(name, module) for name, module in model.named_modules() if any(True for _ in module.parameters(recurse=False))]
+    entries, offset = {}, 0
+    for name, module in owners:
+        for pname, p in module.named_parameters(recurse=False):
+            size = p.numel() * p.element_size()
+            entries[f"{name}.{pname}" if name else pname] = {"dtype": SAFETENSORS_DTYPE[str(p.dtype).replace("torch.", "")],
+                                                             "shape": list(p.shape), "data_offsets": [offset, offset + size]}
+            offset += size
+    header = json.dumps({"__metadata__": {"format": "pt"}, **entries}, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    dest.mkdir(parents=True, exist_ok=True)
+    with open(dest / "model.safetensors", "wb") as f:
+        f.write(len(header).to_bytes(8, "little"))
+        f.write(header)
+        for name, module in owners:  # one module at a time, initialised by the model's own rules, written, freed
+            module.to_empty(device="cpu", recurse=False)
+            torch.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            with torch.no_grad():
+                model._init_weights(module)
+            for _, p in module.named_parameters(recurse=False):
+                p.data.contiguous().view(torch.uint8).numpy().tofile(f)
+            module.to_empty(device="meta", recurse=False)
+    model.config.save_pretrained(dest)
+    params = sum(e["data_offsets"][1] - e["data_offsets"][0] for e in entries.values()) // 2
+    return {"vocab": vocab, "layers": layers, "seed": seed, "parameters": params, "bytes": offset,
+            "build_seconds": round(time.perf_counter() - start, 1), **QWEN3_6_27B}
+
+
+def target_folder(root: Path, vocab: int, layers: int, seed: int) -> tuple[Path, dict, bool]:
+    """The target folder for these sizes, built if it is not there yet: (folder, what it holds, built now)."""
+    final = folder_for(root, vocab, layers, seed)
+    if (final / MARKER).is_file():
+        return final, json.loads((final / MARKER).read_text()), False
+    root.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=final.name + ".partial-", dir=root))
+    info = build_target(partial, vocab, layers, seed)
+    (partial / MARKER).write_text(json.dumps(info, indent=1))
+    if final.exists():  # an incomplete folder from a run that died
+        import shutil
+
+        shutil.rmtree(final)
+    partial.rename(final)
+    return final, info, True
+
+
+# ----------------------------------------------------------------------------- the profile
+#: (module of patcher.verify, attribute path): the steps ``--profile`` times.
+PROFILED = (
+    ("models", "load_real"), ("models", "greedy"), ("models", "multi_token_consistent"),
+    ("checks", "never_emitted"), ("checks", "drafter_calibration"), ("checks", "judge_drafter"),
+    ("calibration", "calibrate"), ("binding", "call_generate"),
+    ("oracle", "ScriptedDraft.__init__"), ("oracle", "ScriptedDraft.__call__"), ("oracle", "ScriptedDraft._extend"),
+    ("oracle", "ScriptedDraft._target_rows"), ("oracle", "reference_logits"), ("oracle", "judge_logits"),
+    ("drafter_oracle", "calibrate"), ("drafter_oracle", "judge"), ("drafter_oracle", "Reference.__init__"),
+    ("drafter_oracle", "reference_output"), ("drafter_oracle", "_nearest"), ("drafter_oracle", "_noise"),
+    ("drafter_oracle", "_output"), ("neartie", "judge_ties"),
+)
+
+
+def profile_child(cfg: dict) -> dict:
+    """Run the verifier's child in this process with the steps of ``PROFILED`` timed (``--profile``)."""
+    import importlib
+    import resource
+
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    worker = importlib.import_module("patcher.verify.worker")
+    stats: dict[str, dict] = {}
+    stack: list[str] = []
+
+    def peak() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def row(name: str) -> dict:
+        return stats.setdefault(name, {"calls": 0, "seconds": 0.0, "forwards": 0, "tokens": 0, "logits_rows": 0,
+                                       "forward_s": 0.0, "head_s": 0.0, "peak_raised_gib": 0.0})
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            stack.append(name)
+            before, start = peak(), time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                stack.pop()
+                r = row(name)
+                r["calls"] += 1
+                r["seconds"] += time.perf_counter() - start
+                r["peak_raised_gib"] += (peak() - before) / 2**30
+        wrapper.__wrapped__ = fn
+        return wrapper
+
+    absent = []
+    for module_name, path in PROFILED:
+        module = worker.sibling(module_name)
+        owner, _, attr = path.rpartition(".")
+        holder = getattr(module, owner, None) if owner else module
+        fn = getattr(holder, attr, None) if holder is not None else None
+        if fn is None:
+            absent.append(f"{module_name}.{path}")
+            continue
+        wrapped = timed(f"{module_name}.{path}", fn)
+        setattr(holder, attr, wrapped)
+        if not owner:  # ``from .models import greedy`` elsewhere: every module of the package that holds it
+            for other in list(sys.modules.values()):
+                if getattr(other, "__name__", "").startswith("patcher.verify.") and getattr(other, attr, None) is fn:
+                    setattr(other, attr, wrapped)
+
+    def hooked(target) -> None:
+        head = target.get_output_embeddings()
+        clock: dict = {}
+
+        def before(module, args, kwargs):
+            clock[module] = time.perf_counter()
+
+        def after(module, args, kwargs, output):
+            seconds = time.perf_counter() - clock.pop(module, time.perf_counter())
+            r = row(stack[-1] if stack else "(outside)")
+            if module is head:
+                r["head_s"] += seconds
+                return
+            ids = args[0] if args else kwargs.get("input_ids")
+            logits = getattr(output, "logits", None)
+            r["forwards"] += 1
+            r["forward_s"] += seconds
+            r["tokens"] += int(ids.numel()) if ids is not None else 0
+            r["logits_rows"] += int(logits.shape[0] * logits.shape[1]) if logits is not None else 0
+
+        for module in (target, head):
+            module.register_forward_pre_hook(before, with_kwargs=True)
+            module.register_forward_hook(after, with_kwargs=True)
+
+    models = worker.sibling("models")
+    load = models.load_real
+
+    def load_and_hook(*args, **kwargs):
+        target, draft, mask = load(*args, **kwargs)
+        hooked(target)
+        return target, draft, mask
+
+    models.load_real = load_and_hook
+    start = time.perf_counter()
+    result = worker.run(cfg)
+    total = time.perf_counter() - start
+    checks = [{"check": c.get("check"), "passed": c.get("passed"), "evidence": (c.get("evidence") or "")[:160]}
+              for m in result.get("models", []) for c in m.get("checks", [])]
+    return {"seconds": round(total, 1), "cpu_s": round(time.process_time(), 1), "peak_rss_gib": round(peak() / 2**30, 2),
+            "threads": torch.get_num_threads(), "steps": stats, "absent": absent, "checks": checks,
+            "fatal": result.get("fatal") or result.get("crash")}
+
+
+def run_profile(tree: Path, target: Path, time_limit: float, max_rss: float) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from patcher.verify.runner import DEFAULTS, child_env
+
+    cfg = {**DEFAULTS, "tree": str(tree.resolve()), "target": str(target), "scripted_draft": True, "dtype": "bfloat16"}
+    figures, stdout, stderr = watched([sys.executable, str(Path(__file__).resolve()), "--profile-child", json.dumps(cfg)],
+                                      time_limit, max_rss, cwd=tempfile.gettempdir(), env=child_env())
+    try:
+        return {**json.loads(stdout.splitlines()[-1]), "outside": figures}
+    except (ValueError, IndexError):
+        return {"error": (figures["stopped"] or "") + "\n" + stderr[-3000:], "outside": figures}
+
+
+def print_profile(p: dict) -> None:
+    if "error" in p:
+        print(p["error"])
+        return
+    print(f"profile: {p['seconds']:.0f} s wall, {p['cpu_s']:.0f} s CPU, peak RSS {p['peak_rss_gib']:.2f} GiB, "
+          f"{p['threads']} torch threads{'; ' + p['fatal'] if p.get('fatal') else ''}")
+    print(f"  {'step':42} {'calls':>5} {'s (incl.)':>9} {'fwds':>5} {'tokens':>6} {'logit rows':>10} {'fwd s':>7} "
+          f"{'head s':>7} {'+peak GiB':>9}")
+    for name, r in sorted(p["steps"].items(), key=lambda kv: -kv[1]["seconds"]):
+        print(f"  {name:42} {r['calls']:5} {r['seconds']:9.1f} {r['forwards']:5} {r['tokens']:6} {r['logits_rows']:10} "
+              f"{r['forward_s']:7.1f} {r['head_s']:7.1f} {r['peak_raised_gib']:9.2f}")
+    if p["absent"]:
+        print("  absent in this checkout: " + ", ".join(p["absent"]))
+    failed = [c for c in p["checks"] if not c["passed"]]
+    print(f"  checks: {len(p['checks']) - len(failed)}/{len(p['checks'])} passed"
+          + "".join(f"\n    FAIL {c['check']}: {c['evidence']}" for c in failed))
+
+
+# ----------------------------------------------------------------------------- the verify
+def patched_tree(dest: Path) -> Path:
+    proc = subprocess.run([sys.executable, "-m", "patcher", "apply", str(ROOT / "vendored" / "ddtree"), "--out", str(dest)],
+                          capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        sys.exit(f"apply failed: {proc.stderr.strip()}")
+    return dest
+
+
+def process_tree(pid: int) -> dict[int, int]:
+    """``pid`` and its descendants (the verifier's child leads a session of its own): pid -> resident bytes now."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            children.setdefault(int(fields[1]), []).append(int(entry))
+            rss[int(entry)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            continue
+    found, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        found[p] = rss.get(p, 0)
+        todo += children.get(p, [])
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL every descendant of ``pid`` (a process group would miss the verifier's child, which leads a session
+    of its own), then ``pid`` itself 15 s later unless it exited (ddpatch reports its child's death meanwhile)."""
+    for p in reversed(list(process_tree(pid))[1:]):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for _ in range(150):
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+
+
+def watched(command: list[str], time_limit: float, max_rss: float, **popen) -> tuple[dict, str, str]:
+    """Run ``command``, sampling its process tree's memory; stopped past ``max_rss`` GiB or ``time_limit`` s.
+    Returns (figures, stdout, stderr): wall, CPU and peak RSS from ``os.wait4``."""
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=out, stderr=err, start_new_session=True, **popen)
+    stopped, sampled_peak, timeline = None, 0, []
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        elapsed = time.perf_counter() - start
+        now = sum(process_tree(proc.pid).values())
+        sampled_peak = max(sampled_peak, now)
+        if not timeline or elapsed - timeline[-1][0] >= 10:
+            timeline.append((round(elapsed, 1), round(now / 2**30, 2)))
+        if stopped is None and (now > max_rss * 2**30 or elapsed > time_limit + 60):
+            stopped = (f"stopped by the benchmark at {elapsed:.0f} s: resident memory {now / 2**30:.1f} GiB > --max-rss-gb {max_rss:g}"
+                       if now > max_rss * 2**30 else f"stopped by the benchmark past --time-limit {time_limit:g} s")
+            kill_tree(proc.pid)
+        time.sleep(1.0)
+    wall = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    out.seek(0)
+    err.seek(0)
+    figures = {"exit_code": proc.returncode, "wall_s": round(wall, 1), "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
+               "user_s": round(usage.ru_utime, 1), "peak_rss_gib": round(usage.ru_maxrss * 1024 / 2**30, 2),
+               "sampled_tree_peak_gib": round(sampled_peak / 2**30, 2), "rss_timeline_gib": timeline, "stopped": stopped}
+    return figures, out.read(), err.read()
+
+
+def run_verify(tree: Path, target: Path, time_limit: float, max_rss: float, extra: list[str]) -> dict:
+    command = [sys.executable, "-m", "patcher", "verify", str(tree), "--target", str(target), "--scripted-draft",
+               "--dtype", "bfloat16", "--format", "json", "--timeout", str(time_limit), *extra]
+    figures, stdout, stderr = watched(command, time_limit, max_rss, cwd=ROOT)
+    result = {"command": " ".join(command), **figures}
+    errors = [line for line in stderr.splitlines() if line.startswith("ddpatch: error:")]
+    result["error"] = errors[-1] if errors else None
+    try:
+        payload = json.loads(stdout)
+    except ValueError:
+        payload = None
+    if isinstance(payload, dict):
+        result["passed"] = payload.get("passed")
+        models = payload.get("models") or payload.get("result", {}).get("models") or []
+        result["checks"] = [{"check": c.get("check"), "passed": c.get("passed"), "evidence": (c.get("evidence") or "")[:200]}
+                            for m in models for c in m.get("checks", [])]
+        result["methods"] = [{k: m.get(k) for k in ("method", "acceptance_mean", "acceptance_histogram", "identical_runs")}
+                             for model in models for m in model.get("methods", [])]
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=REAL_VOCAB, help=f"vocabulary size (default the real {REAL_VOCAB:,})")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4: 3 Gated DeltaNet + 1 attention)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--folder", type=Path, default=Path("/tmp/ddpatch-real-shapes"), help="where target folders are kept")
+    parser.add_argument("--tree", type=Path, default=None, help="an already patched tree (default: vendored/ddtree, patched now)")
+    parser.add_argument("--time-limit", type=float, default=3600.0, help="seconds: verify's --timeout (default 3600)")
+    parser.add_argument("--max-rss-gb", type=float, default=20.0, help="stop the verify past this resident memory (GiB)")
+    parser.add_argument("--verify-args", default="", help='more arguments for verify, one string: "--prompts 1"')
+    parser.add_argument("--build-only", action="store_true", help="only make (or find) the target folder")
+    parser.add_argument("--profile", action="store_true", help="where the verify's time and memory go, step by step")
+    parser.add_argument("--profile-child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--json", action="store_true", help="one JSON object")
+    args = parser.parse_args()
+    if args.profile_child:
+        print(json.dumps(profile_child(json.loads(args.profile_child))))
+        return 0
+
+    target, info, built = target_folder(args.folder, args.vocab, args.layers, args.seed)
+    summary = {"target": str(target), "built_now": built, "model": info}
+    if not args.build_only:
+        with tempfile.TemporaryDirectory(prefix="ddpatch-real-shapes-tree-") as tmp:
+            tree = args.tree or patched_tree(Path(tmp) / "ddtree")
+            if args.profile:
+                summary["profile"] = run_profile(tree, target, args.time_limit, args.max_rss_gb)
+            else:
+                summary["verify"] = run_verify(tree, target, args.time_limit, args.max_rss_gb, shlex.split(args.verify_args))
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    m = summary["model"]
+    print(f"target {target} ({'built now in ' + str(m['build_seconds']) + ' s' if built else 'cached'}): {m['layers']} layers, "
+          f"hidden {m['hidden_size']}, vocab {m['vocab']:,}, {m['parameters'] / 1e9:.2f} B parameters, {m['bytes'] / 1e9:.2f} GB bf16")
+    v = summary.get("verify")
+    if v:
+        print(f"verify: exit {v['exit_code']}, wall {v['wall_s']:.0f} s, CPU {v['cpu_s']:.0f} s, peak RSS {v['peak_rss_gib']:.2f} GiB "
+              f"(whole tree sampled: {v['sampled_tree_peak_gib']:.2f} GiB)")
+        for line in (v["stopped"], v["error"]):
+            if line:
+                print("  " + line)
+        for c in v.get("checks", []):
+            print(f"  {'PASS' if c['passed'] else 'FAIL'} {c['check']}: {c['evidence']}")
+        for row in v.get("methods", []):
+            print(f"  {row['method']}: acceptance {row['acceptance_mean']} {row['acceptance_histogram']}")
+    if "profile" in summary:
+        print_profile(summary["profile"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
