@@ -367,10 +367,16 @@ def _read_all(children: list, deadline: float, progress, log: list[str]) -> list
     results: dict[int, dict | None] = {}
     for i, child in enumerate(children):
         sel.register(child.stdout, selectors.EVENT_READ, i)
+    sampled = 0.0
     while len(results) < len(children):
         remaining = deadline - time.perf_counter()
         if remaining <= 0:
             break
+        if time.perf_counter() - sampled >= 1.0:  # their peak memory, for the message if one dies
+            for i, child in enumerate(children):
+                if i not in results:
+                    child.sample()
+            sampled = time.perf_counter()
         ready = sel.select(timeout=min(remaining, 1.0))
         if not ready:
             for i, child in enumerate(children):
