@@ -42,6 +42,10 @@ KEYS = {
 }
 
 
+#: The drafter inputs a verify may record as deliberately different (``patcher.verify.drafter_verdict.REVIEWABLE``).
+REVIEWABLE = ("noise", "positions", "features")
+
+
 class ConfigError(ValueError):
     """A config file that cannot be read or holds an unknown key or a bad value (one line, exit 2)."""
 
@@ -88,6 +92,9 @@ def _validate(values: dict[str, Any], path: Path) -> dict[str, Any]:
             value = _ids(key, value, path)
         elif key in ("presets", "entry", "reviewed"):
             value = _ids(key, value, path).split(",")
+            unknown = [v for v in value if key == "reviewed" and v not in REVIEWABLE]
+            if unknown:
+                raise ConfigError(f"config {path}: reviewed must be {KEYS['reviewed']}, got {unknown[0]!r}")
         elif key == "exclude":
             value = [value] if isinstance(value, str) else value
             if not isinstance(value, list) or not value or not all(isinstance(v, str) and v.strip() for v in value):

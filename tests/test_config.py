@@ -149,3 +149,29 @@ def test_verify_reads_presets_and_format_from_the_config(tmp_path, monkeypatch):
     assert seen["presets"] == ["tiny-qwen3"]
     run("verify", root, "--preset", "tiny-qwen3_5")
     assert seen["presets"] == ["tiny-qwen3_5"], "the flag overrides the file"
+
+
+def test_verify_reads_its_decoders_and_reviewed_differences_from_the_config(tmp_path, monkeypatch):
+    from patcher import api
+    from patcher.results import Outcome
+
+    seen = {}
+    monkeypatch.setattr(api, "verify", lambda path, **k: seen.update(k) or Outcome({"checks": [{"check": "c", "passed": True}]}, 0.0))
+    root = checkout(tmp_path)
+    (root / "ddpatch.toml").write_text('entry = ["dflash.py:dflash_generate", "eagle3.py:eagle3_generate"]\nreviewed = ["noise"]\n')
+    assert run("verify", root).exit_code == 0
+    assert seen["entries"] == ["dflash.py:dflash_generate", "eagle3.py:eagle3_generate"] and seen["reviewed"] == ["noise"]
+    run("verify", root, "--entry", "ddtree.py:ddtree_generate")
+    assert seen["entries"] == ["ddtree.py:ddtree_generate"], "the flag overrides the file"
+    (root / "ddpatch.toml").write_text('reviewed = ["cache"]\n')
+    result = run("verify", root)
+    assert result.exit_code == 2 and "reviewed" in result.output
+
+
+def test_the_reviewable_drafter_inputs_are_one_list():
+    from patcher import config
+    from patcher.cli import verify as verify_command
+    from patcher.verify import drafter_verdict
+
+    choices = next(p.type.choices for p in verify_command.params if p.name == "reviewed")
+    assert config.REVIEWABLE == drafter_verdict.REVIEWABLE == tuple(choices)

@@ -154,17 +154,17 @@ def verify_model(label: str, cfg: dict, loaded, target, drafts: dict, mask_token
     # (b) warm-up: every method once; a failure that only the environment causes (CUDA timing, a missing optional
     # package) is shimmed and the method retried, so that the report names the first real failure too
     warm_ok, warm_error, warm_name = True, None, None
+    short = prompts[0][:, :4]
+    short_reference = greedy(target, short, max_new, stop_ids or ())  # once for every method
     for method in methods:
         warm_name = method.name
-        short = prompts[0][:, :4]
         try:
-            run(method, short, greedy(target, short, max_new, stop_ids or ()), seed=-1, logits=False)
+            run(method, short, short_reference, seed=-1, logits=False)
         except Exception as exc:  # the patched code failed to run at all
             warm_ok, warm_error = False, error_summary(exc)
             env = environment_failure(exc)
             if env is not None:
-                warm_error["then"] = retried_without(env, lambda: run(method, short, greedy(target, short, max_new, stop_ids or ()),
-                                                                       seed=-1, logits=False))
+                warm_error["then"] = retried_without(env, lambda: run(method, short, short_reference, seed=-1, logits=False))
             break
     evidence = "every method ran once" if warm_ok else f"{warm_name} ({next(m for m in methods if m.name == warm_name).where}): {warm_error['error']}"
     if warm_error and warm_error.get("then"):

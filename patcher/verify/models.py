@@ -255,24 +255,40 @@ def greedy(target, prompt, max_new_tokens: int, stop_ids=(), use_cache: bool = T
 
     ids = prompt.clone()
     out: list[int] = []
+    # greedy reads the last row: the LM head over the others (vocabulary x hidden each) would be wasted; the cached
+    # prefill keeps them, so its last row is the one a token-by-token decode computes, bit for bit
+    last = last_row_only(target)
+    if max_new_tokens <= 0:
+        return out
     with torch.inference_mode():
         if use_cache:
             cache = DynamicCache(config=target.config)
             logits = target(ids, **with_cache(target, cache), use_cache=True).logits
         else:
-            logits = target(ids, use_cache=False).logits
+            logits = target(ids, use_cache=False, **last).logits
         for _ in range(max_new_tokens):
             token = int(logits[0, -1].argmax())
             out.append(token)
-            if token in stop_ids:
+            if token in stop_ids or len(out) == max_new_tokens:  # no forward for a token nobody reads
                 break
             step = torch.tensor([[token]], device=ids.device)
             if use_cache:
-                logits = target(step, **with_cache(target, cache), use_cache=True).logits
+                logits = target(step, **with_cache(target, cache), use_cache=True, **last).logits
             else:
                 ids = torch.cat([ids, step], dim=1)
-                logits = target(ids, use_cache=False).logits
+                logits = target(ids, use_cache=False, **last).logits
     return out
+
+
+def last_row_only(target) -> dict:
+    """``{"logits_to_keep": 1}`` where the target's forward takes it (transformers' causal LMs), else ``{}``."""
+    import inspect
+
+    try:
+        takes = "logits_to_keep" in inspect.signature(target.forward).parameters
+    except (TypeError, ValueError):
+        takes = False
+    return {"logits_to_keep": 1} if takes else {}
 
 
 def multi_token_consistent(target, prompt, continuation: list[int]) -> tuple[bool, float]:
