@@ -44,6 +44,8 @@ MISLEAD = 0.15
 #: the drafter forward's parameter names for its inputs (``drafter_oracle.ROLES`` spells the same)
 NOISE_NAMES = ("noise_embedding", "noise_embeds", "inputs_embeds")
 POSITION_NAMES = ("position_ids",)
+#: the least margin of a scripted token's logit over the rest (``ScriptedDraft.margin`` grows with the vocabulary)
+MARGIN = 8.0
 #: rows of the embedding table compared at once when the first token is searched in the whole table
 SEARCH_CHUNK = 8192
 #: sampled-mode rows kept per target (``_target_rows``)
@@ -55,8 +57,10 @@ class ScriptedDraft:
     """Hooks on a drafter (and the target's output head) that propose the target's greedy continuation
     with scripted ranks. ``reference`` is the full greedy sequence (prompt + continuation) as a list of ids."""
 
-    def __init__(self, target, reference: Sequence[int], seed: int, forbidden: Sequence[int] = (), margin: float = 8.0,
+    def __init__(self, target, reference: Sequence[int], seed: int, forbidden: Sequence[int] = (), margin: float | None = None,
                  from_distribution: bool = False):
+        import math
+
         import torch
 
         self.reference = list(reference)
@@ -69,7 +73,10 @@ class ScriptedDraft:
         self.vocab = int(self.head.weight.shape[0])
         self.gen = torch.Generator().manual_seed(10_007 + seed)
         self.forbidden = set(int(t) for t in forbidden)
-        self.margin = margin
+        # the scripted token's logit over the rest: its probability must dominate the whole vocabulary's noise floor, or a
+        # tree's cumulative log-probabilities stay flat and its budget goes to siblings (a real vocabulary, 248,320 ids,
+        # needs ln(vocab) more than a tiny one)
+        self.margin = margin if margin is not None else max(MARGIN, math.log(self.vocab) + 4.0)
         self.ranks: list[int] = []
         # under sampling: propose from the target's own next-token logits on the decoder's actual context, sharpened,
         # so the draft is confident, the target's samples part from it now and then, and partial acceptances happen
