@@ -59,6 +59,19 @@ class Example:
 _UNDECORATED: set[type] = set()
 
 
+class FunctionStack:
+    """A step's ``self._fns``: the data-flow ``Fn`` (``flow.ModuleFlow``, set as ``self.flow`` in ``visit_Module``) of each
+    function the visit is inside, innermost last. Put it before ``Step`` in the bases."""
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        self._fns.append(self.flow.by_node.get(node) if self.flow else None)
+        return super().visit_FunctionDef(node)
+
+    def leave_FunctionDef(self, original_node, updated_node):
+        self._fns.pop()
+        return super().leave_FunctionDef(original_node, updated_node)
+
+
 class Step(VisitorBasedCodemodCommand):
     """Base class of every codemod step. Subclasses set the class attributes below."""
 

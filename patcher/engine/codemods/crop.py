@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import libcst as cst
 
-from .base import APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, Step, code, dotted, is_runtime_call, runtime_call, site_positions
+from .base import (APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, FunctionStack, Step, code, dotted, is_runtime_call, runtime_call,
+                   site_positions)
 from .flow import CACHE, DRAFT_CACHE, TARGET_CACHE, Fn, ModuleFlow
 
 COUNT = "a 5.x count"
@@ -76,7 +77,7 @@ def _combine(kinds: set[str]) -> str:
     return kinds.pop() if len(kinds) == 1 else AMBIGUOUS
 
 
-class CropCompat(Step):
+class CropCompat(FunctionStack, Step):
     ID = "crop-compat"
     DESCRIPTION = "Rewrite a 4.x `cache.crop(length)` to `_ddpatch_runtime.crop_cache(cache, length)`; leave 5.x counts alone."
     TRIGGERS = ("crop|past_recording|record_past", r"\.\s*crop\s*\(|crop_cache\s*\(|\.\s*activate_past_recording\s*\(|record_past\s*\(")
@@ -159,14 +160,6 @@ class CropCompat(Step):
         self.flow = ModuleFlow(node)
         self._module = node
         return True
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        self._fns.append(self.flow.by_node.get(node) if self.flow else None)
-        return super().visit_FunctionDef(node)
-
-    def leave_FunctionDef(self, original_node, updated_node):
-        self._fns.pop()
-        return super().leave_FunctionDef(original_node, updated_node)
 
     # -- what a crop means --------------------------------------------------------------
     def meaning(self, fn: Fn, expr: cst.BaseExpression, seen: frozenset = frozenset()) -> tuple[str, str]:

@@ -34,8 +34,8 @@ import ast
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from .base import (APPLIED, CACHE_KEYWORDS, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, Step, ast_dotted, ast_nodes, code, dotted,
-                   is_runtime_call, runtime_call)
+from .base import (APPLIED, CACHE_KEYWORDS, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, FunctionStack, Step, ast_dotted,
+                   ast_nodes, code, dotted, is_runtime_call, runtime_call)
 from .flow import CACHE, DRAFT_CACHE, DRAFTER, TARGET_CACHE, ModuleFlow, is_role
 
 #: method -> what transformers 5.x has instead (None: rewritten, see ``leave_Call``)
@@ -55,7 +55,7 @@ _TUPLE = ("a tuple of keys and values has no place for a hybrid target's linear-
           "keep the DynamicCache object")
 
 
-class RemovedApi(Step):
+class RemovedApi(FunctionStack, Step):
     ID = "removed-api"
     DESCRIPTION = ("Rewrite cache APIs transformers 5.x removed (`to_legacy_cache`, `from_legacy_cache`, `cache[i]`, "
                    "`get_max_cache_shape`) where 5.x has an exact equivalent; name the others.")
@@ -165,14 +165,6 @@ class RemovedApi(Step):
         self.record(node, FIXED_UPSTREAM, f"`{code(node)}` runs only under `hasattr({key[0]}, \"{name}\")`: a branch for the "
                                           "releases that have it, which transformers 5.x skips")
         return True
-
-    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        self._fns.append(self.flow.by_node.get(node) if self.flow else None)
-        return super().visit_FunctionDef(node)
-
-    def leave_FunctionDef(self, original_node, updated_node):
-        self._fns.pop()
-        return super().leave_FunctionDef(original_node, updated_node)
 
     # -- whose cache --------------------------------------------------------------------
     def _roles(self, expr: cst.BaseExpression) -> set[str]:
