@@ -88,9 +88,11 @@ def models_table(data: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def generate_table(data: dict[str, dict]) -> str:
-    from lossless_matrix import MODES  # noqa: PLC0415 (tools/ is on the path of whoever imports this)
+#: the modes ``lossless_matrix`` runs, in the tables' column order
+MODES = ("greedy", "sampling", "assistant", "stateful-assistant", "prompt-lookup", "continue")
 
+
+def generate_table(data: dict[str, dict]) -> str:
     rels = list(data)
     lines = ["| model type | shape | " + " | ".join(MODES) + " |", "|---|---|" + "---|" * len(MODES)]
     for mt, shape in _rows(data):

@@ -33,11 +33,12 @@ for path in (ROOT, ROOT / "tests"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+import lossless_docs  # noqa: E402 (tools/ is on the path)
 import lossless_families as lf  # noqa: E402
+from lossless_docs import MODES  # noqa: E402 (the docs' columns)
 
 DATA = ROOT / "tests" / "data" / "lossless_families"
 NEW_TOKENS = 32
-MODES = ("greedy", "sampling", "assistant", "stateful-assistant", "prompt-lookup", "continue")
 RELEASES = ("5.21.0", "5.23.0", "5.24.0", "5.25.0")
 #: the stateful assistant of every family: Qwen3.5's default shape (NemotronH's for Qwen3.5 itself)
 STATEFUL_ASSISTANT = ("qwen3_5_text", "nemotron_h")
@@ -294,8 +295,6 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print the run as JSON")
     args = parser.parse_args(argv)
     if args.docs:
-        import lossless_docs
-
         changed = lossless_docs.write_docs()
         print("\n".join(f"wrote {p}" for p in changed) or "docs already match the data")
         return 0
