@@ -103,6 +103,16 @@ def test_copies_of_one_decoder_are_verified_once_and_the_rest_named(tmp_path):
     assert left["file"] == "alpha/data_collecting.py" and "same code as dflash" in left["reason"]
 
 
+def test_a_renamed_copy_sorted_first_is_verified_through_the_canonical_decoder(tmp_path):
+    # the newest layout keeps a chain_generate in dflash/chain.py, the same loop as dflash/model.py's dflash_generate
+    root = write(tmp_path, {"dflash/chain.py": LOOP.format(name="chain_generate", params="model, target, input_ids, max_new_tokens"),
+                            "dflash/model.py": LOOP.format(name="dflash_generate", params="model, target, input_ids, max_new_tokens")})
+    plan = decoders.plan(root)
+    assert [(d["file"], d["label"]) for d in plan["decoders"]] == [("dflash/model.py", "dflash")], plan["decoders"]
+    (left,) = plan["left_out"]
+    assert left["qualname"] == "chain_generate" and "same code as dflash" in left["reason"]
+
+
 def test_more_decoders_than_the_limit_are_named_with_the_way_to_pick(tmp_path):
     files = {f"m{i}.py": LOOP.format(name=f"gen{i}", params="target, input_ids, max_new_tokens").replace("break", f"x = {i}")
              for i in range(decoders.MAX_DECODERS + 2)}

@@ -158,7 +158,9 @@ def _assert_caught(full, tmp_path, bug):
             assert f": {field} differs" in check["evidence"] and "hint:" in check["evidence"], check["evidence"]
             assert check["failures"][0]["field"] == field and "round" in check["evidence"]
     failed = {name for (_, name), c in checks.items() if not c["passed"]}
-    assert failed == {f"drafter: {m}" for m in METHODS}, failed
+    # a bug in a helper every decoder shares (offset-dropped: model/utils.py) also fails the drafter's own
+    # decoder (DFlashDraftModel.spec_generate); only drafter checks may fail
+    assert {f"drafter: {m}" for m in METHODS} <= failed and all(n.startswith("drafter: ") for n in failed), failed
 
 
 @pytest.mark.parametrize("bug", FAST)

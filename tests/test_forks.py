@@ -61,6 +61,9 @@ def test_a_target_only_helper_gets_the_targets_config_and_runs_on_a_hybrid(tmp_p
         expected = prompt
         for _ in range(5):
             expected = torch.cat([expected, target(expected).logits[:, -1:].argmax(-1)], dim=1)
+    tops = ("dflash", "model", "ddtree", "_ddpatch_runtime")
+    # another test of this worker may have imported a `dflash` (vendored/dflash's): it is set aside, then put back
+    saved = {name: sys.modules.pop(name) for name in [m for m in sys.modules if m.split(".")[0] in tops]}
     for tree, ok in ((out, True), (src, False)):
         sys.path.insert(0, str(tree))
         try:
@@ -72,8 +75,9 @@ def test_a_target_only_helper_gets_the_targets_config_and_runs_on_a_hybrid(tmp_p
                     module.target_generate(target, prompt, 5)
         finally:
             sys.path.remove(str(tree))
-            for name in [m for m in sys.modules if m.split(".")[0] in ("dflash", "model", "ddtree", "_ddpatch_runtime")]:
+            for name in [m for m in sys.modules if m.split(".")[0] in tops]:
                 del sys.modules[name]
+    sys.modules.update(saved)
 
 
 def test_a_bare_cache_nothing_names_is_listed_with_its_reason(tmp_path):

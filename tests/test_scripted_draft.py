@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from patcher.verify.rows import rollback_check
+from patcher.verify.rows import rollback_check, settle_rollback
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--greedy-only", "--seeds", "0", "--prompts", "2", "--max-new-tokens", "24", "--format", "json"]
@@ -109,3 +109,23 @@ def test_a_run_without_partial_acceptances_is_inconclusive_never_a_pass():
     assert rollback_check("dflash", [1, 2, 3, 4, 2, 3], 4)["passed"]
     assert not rollback_check("dflash", [], 4)["passed"]
     assert rollback_check("dflash", [1, 2, 1, 2], 2)["passed"], "block 2: a rejected and an accepted proposal are enough"
+
+
+def test_a_real_drafters_inconclusive_rollback_passes_only_where_another_model_saw_it():
+    """Sampled, the trained pair's rounds mostly accept one token: its row passes when the scripted preset saw the same
+    method's rollback in the same run, naming it; a scripted draft's inconclusive row, or an unseen method, stays."""
+    def row(name, acceptance, real):
+        return {**rollback_check(name, acceptance, 8), "real_drafter": real}
+
+    seen, nearly_flat = [1, 2, 3, 1, 4, 2], [1] * 40 + [2] * 3
+    result = {"models": [
+        {"model": "tiny-qwen3_5", "checks": [row("dflash", seen, False), row("ddtree_tb4", nearly_flat, False)]},
+        {"model": "trained-qwen3_5", "checks": [row("dflash", nearly_flat, True), row("ddtree_tb4", nearly_flat, True)]},
+        {"model": "tiny-qwen3_5-vlm", "checks": [row("dflash", nearly_flat, False)]},
+    ]}
+    settle_rollback(result)
+    (tiny_dflash, tiny_tree), (trained_dflash, trained_tree), (vlm_dflash,) = (m["checks"] for m in result["models"])
+    assert trained_dflash["passed"] and not trained_dflash["inconclusive"], trained_dflash
+    assert trained_dflash["evidence"].startswith("seen on tiny-qwen3_5: ") and "1:40 2:3" in trained_dflash["evidence"]
+    assert not vlm_dflash["passed"] and vlm_dflash["inconclusive"], "a scripted draft that failed to make rollback happen"
+    assert not trained_tree["passed"], "no model of the run saw ddtree_tb4's rollback"

@@ -52,6 +52,20 @@ FAKE_WORKER = textwrap.dedent("""
         time.sleep(5)
 """)
 
+#: the least a tree needs for verify to start its child: one function that runs a model with a cache round after round
+DECODER = textwrap.dedent("""
+    def dflash_generate(model, target, input_ids, past_key_values=None):
+        for _ in range(3):
+            target(input_ids, past_key_values=past_key_values)
+""")
+
+
+def a_tree(root: Path) -> Path:
+    tree = root / "tree"
+    tree.mkdir(exist_ok=True)
+    (tree / "decoder.py").write_text(DECODER)
+    return tree
+
 
 @pytest.fixture
 def dies(tmp_path, monkeypatch):
@@ -65,7 +79,7 @@ def dies(tmp_path, monkeypatch):
         monkeypatch.setenv("DDPATCH_TEST_DEATH", how)
         monkeypatch.setenv("DDPATCH_TEST_BALLAST", str(ballast))
         with pytest.raises(VerifierCrash) as info:
-            runner.run_verify(tmp_path, timeout=60, **options)
+            runner.run_verify(a_tree(tmp_path), timeout=60, **options)
         return str(info.value)
 
     return run
@@ -131,7 +145,7 @@ def test_the_oom_killers_count_is_named_when_it_rises(dies, monkeypatch):
 def test_a_timeout_is_still_a_timeout(dies, tmp_path, monkeypatch):
     monkeypatch.setenv("DDPATCH_TEST_DEATH", "sleep")
     with pytest.raises(VerifyError) as info:
-        runner.run_verify(tmp_path, timeout=2)
+        runner.run_verify(a_tree(tmp_path), timeout=2)
     assert not isinstance(info.value, VerifierCrash) and "timed out" in str(info.value)
 
 
@@ -144,7 +158,7 @@ def test_a_killed_ddpatch_takes_its_child_with_it(tmp_path):
               "runner.WORKER = Path(sys.argv[2]); runner.run_verify(Path(sys.argv[3]), timeout=120)")
     env = {k: v for k, v in os.environ.items() if k != runner.WARM_ENV}
     env.update(DDPATCH_TEST_DEATH="sleep", DDPATCH_TEST_PID=str(pid_file))
-    parent = subprocess.Popen([sys.executable, "-c", script, str(ROOT), str(worker), str(tmp_path)], env=env)
+    parent = subprocess.Popen([sys.executable, "-c", script, str(ROOT), str(worker), str(a_tree(tmp_path))], env=env)
     try:
         for _ in range(200):
             if pid_file.is_file() and pid_file.read_text():

@@ -268,7 +268,12 @@ def verify_model(label: str, cfg: dict, loaded, target, drafts: dict, mask_token
                                           and not failed_runs, "evidence": evidence}, st.runs, dtype, f32))
         if method.kind != "target":
             described = "; ".join(dict.fromkeys(s.describe() for s in scripts[name][:1]))
-            rows.append(rollback_check(name, st.acceptance, block_size, scripted=f"scripted draft: {described}" if described else ""))
+            real = not (is_preset or scripted)
+            row = rollback_check(name, st.acceptance, block_size, scripted=f"scripted draft: {described}" if described else "")
+            if real and row.get("inconclusive") and cfg.get("target"):
+                row["evidence"] += ("; a real drafter's rounds accept what it predicts: run the same command with --scripted-draft "
+                                    "in place of --draft, whose scripted draft accepts part of its blocks")
+            rows.append({**row, "real_drafter": real})
             dcal, draft_skip = dcals.get(method.drafter, (None, None))
             rows.append(routers.inconclusive(drafter_check(name, st.runs, draft_skip), st.runs, dtype, f32))
             if not (is_preset or scripted) and not sampling:  # a real drafter: its acceptance, judged against a stored floor or reported

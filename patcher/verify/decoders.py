@@ -263,7 +263,7 @@ def _drafter_classes(classes: list[dict]) -> list[dict]:
 
 
 def _label(decoders: list[Decoder], info: dict) -> None:
-    """Report labels, and duplicates of the same code (verified once, through the first)."""
+    """Report labels, and duplicates of the same code (verified once: through the canonical one, else the first)."""
     seen_code: dict[str, Decoder] = {}
     taken: set[str] = set()
     for canonical, names in CANONICAL.items():
@@ -281,6 +281,9 @@ def _label(decoders: list[Decoder], info: dict) -> None:
             base = d.qualname if d.cls else d.function
             d.label = base if counts[d.function] == 1 and base not in taken else f"{base}@{d.file}"
             taken.add(d.label)
+    # copies of the same code are verified once, through the canonical decoder where one is a copy
+    # (dflash_generate, not a renamed duplicate in a file sorted before it)
+    for d in sorted(decoders, key=lambda d: d.label not in CANONICAL):
         code = info[(d.file, d.qualname)]["code"]
         if code in seen_code and d.cls is None:
             d.same_as = seen_code[code].label

@@ -170,5 +170,24 @@ def rollback_check(name: str, acceptance: list[int], block_size: int, where: str
                                                  f"accept histogram {shown}{tail}"}
 
 
+def settle_rollback(result: dict | None) -> dict | None:
+    """A real drafter's inconclusive ``rollback seen`` (a trained drafter accepts what it accepts: sampled, the trained
+    pair's rounds mostly accept one token) passes when the same method's rollback was seen on another model of the
+    run, naming where. A scripted draft's inconclusive row stays: the script is there to make rollback happen."""
+    if not result:
+        return result
+    seen: dict[str, str] = {}
+    for model in result.get("models", []):
+        for c in model.get("checks", []):
+            if c["check"].startswith("rollback seen: ") and c["passed"] and c["check"] not in seen:
+                seen[c["check"]] = f"{model['model']}: {c['evidence']}"
+    for model in result.get("models", []):
+        for c in model.get("checks", []):
+            if c.get("inconclusive") and c.get("real_drafter") and c["check"] in seen:
+                here = c["evidence"].replace("inconclusive: the run could not see a rollback bug: ", "")
+                c.update(passed=True, inconclusive=False, evidence=f"seen on {seen[c['check']]} (not here, a real drafter: {here})")
+    return result
+
+
 #: distinct acceptance lengths a method's rounds must show (block size permitting) for its run to see a rollback bug
 MIN_DISTINCT = 3

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..errors import VerifierCrash, VerifyError
 from ..results import Outcome
-from . import decoders, exitstatus
+from . import decoders, exitstatus, rows
 from .trained import FOLDER_PRESETS, folder_preset_options, pair_options
 from .warm import PARENT_ENV
 
@@ -98,7 +98,7 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
         finally:
             for child in children:
                 child.kill()
-    result = merged(results)
+    result = rows.settle_rollback(merged(results))
     seconds = time.perf_counter() - start
     if result is None:
         if death is None:
@@ -223,8 +223,11 @@ class _FreshChild:
         return death
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.returncode is None:  # not reaped yet (a zombie still holds its group id): what its group left runs
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             self.proc.wait()
         self.stdout.close()
 
