@@ -97,15 +97,23 @@ def two_ways(target, prompt, continuation: list[int]):
     return full, stepped
 
 
-def routed_two_ways(target, prompt, continuation: list[int]):
+def routed_two_ways(target, prompt, continuation: list[int], stepped_rows: list | None = None):
     """``two_ways``, and on a target with top-k routers ``(largest |Δ router logits|, flips followed, largest |router
-    logit|)`` (else None): the multi-token way follows the token-by-token way's experts where they part."""
+    logit|)`` (else None): the multi-token way follows the token-by-token way's experts where they part.
+    ``stepped_rows``: the token-by-token way's rows as the greedy reference computed them (``models.greedy(rows=)``,
+    the same cached forwards); used on a target without routers, whose multi-token way is then the from-scratch
+    forward the oracles share (``oracle.plain_forward``)."""
     import torch
     from transformers import DynamicCache
 
     from .context import with_cache
+    from .oracle import plain_forward
 
     n, p = len(continuation), prompt.shape[1]
+    if stepped_rows is not None and len(stepped_rows) >= n:
+        shared = plain_forward(target, prompt[0].tolist() + list(continuation), hidden_states=True)
+        if shared is not None:
+            return shared[0][p - 1 : p - 1 + n], torch.stack(list(stepped_rows[:n])), None
     cont = torch.tensor([continuation], device=prompt.device)
     with routers.Trace(target) as trace, torch.inference_mode():
         full = target(torch.cat([prompt, cont], dim=1), use_cache=False).logits[0, p - 1 : p - 1 + n]
@@ -126,17 +134,19 @@ def routed_two_ways(target, prompt, continuation: list[int]):
     return full.float().cpu(), torch.stack(rows).float().cpu(), routed
 
 
-def calibrate(target, prompts, continuations, override: float | None = None) -> Calibration:
+def calibrate(target, prompts, continuations, override: float | None = None, stepped: list | None = None) -> Calibration:
+    """The noise floor over ``prompts`` and their greedy ``continuations``; ``stepped``: each one's token-by-token
+    logits rows as the greedy reference computed them (``models.greedy(rows=)``), else computed here."""
     import torch
 
     dtype = target.dtype
     name = str(dtype).replace("torch.", "")
     measured, top, spreads, positions = 0.0, 0.0, [], 0
     router_floor, router_top, flips = None, 0.0, 0
-    for prompt, cont in zip(prompts, continuations):
+    for i, (prompt, cont) in enumerate(zip(prompts, continuations)):
         if not cont:
             continue
-        a, b, routed = routed_two_ways(target, prompt, list(cont))
+        a, b, routed = routed_two_ways(target, prompt, list(cont), stepped[i] if stepped else None)
         if routed is not None:
             router_floor = max(router_floor or 0.0, routed[0])
             flips, router_top = flips + routed[1], max(router_top, routed[2])

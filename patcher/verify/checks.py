@@ -76,14 +76,22 @@ def verify_model(label: str, cfg: dict, loaded, target, drafts: dict, mask_token
                        "evidence": f"not run on this model: {why}"})
 
     # the reference continuations, then the noise floor on them: the tolerance follows this target, dtype and device
-    references = [greedy(target, p, max_new, stop_ids or ()) for p in prompts]
+    # (greedy's own forwards give the noise floor's token-by-token rows and, for prompt 0, the drafter oracle's
+    # token-by-token features: nothing computed twice)
+    stepped = [[] for _ in prompts]
+    hidden0: list | None = [] if drafts else None
+    references = [greedy(target, p, max_new, stop_ids or (), rows=rows, hidden=hidden0 if i == 0 else None)
+                  for i, (p, rows) in enumerate(zip(prompts, stepped))]
     if choose_mask:
         mask_token_id = never_emitted(target, prompts, references)
         for draft in drafts.values():
             draft.mask_token_id = mask_token_id
-    cal = calibration.calibrate(target, prompts, references, override=cfg.get("logit_tolerance"))
+    cal = calibration.calibrate(target, prompts, references, override=cfg.get("logit_tolerance"), stepped=stepped)
+    del stepped
     tolerance = cal.tolerance
-    dcals = {name: drafter_calibration(target, draft, prompts[0], references[0], mask_token_id, block_size) for name, draft in drafts.items()}
+    dcals = {name: drafter_calibration(target, draft, prompts[0], references[0], mask_token_id, block_size, hidden0)
+             for name, draft in drafts.items()}
+    del hidden0
 
     # (d) the reference itself is sound on this transformers version (within this dtype's near-ties)
     ref0 = references[0][:16]
@@ -171,6 +179,7 @@ def verify_model(label: str, cfg: dict, loaded, target, drafts: dict, mask_token
         evidence += f"; {warm_error['then']['text']}"
     checks.append({"check": "warms up", "passed": warm_ok, **(warm_error or {}), "evidence": evidence})
     if not warm_ok:
+        oracle.forget_plain()
         return {"model": label, "checks": checks, "methods": [], "calibration": cal.as_dict(), "logit_tolerance": tolerance}
 
     baseline_method = next((m for m in methods if m.kind == "chain" and not m.drafter_method and m.drafter == loaded.primary), None)
@@ -300,6 +309,7 @@ def verify_model(label: str, cfg: dict, loaded, target, drafts: dict, mask_token
         if st.name in distributions:
             row["distribution"] = distributions[st.name]
         method_rows.append(row)
+    oracle.forget_plain()  # this model's shared forwards: the next model's sequences are others
     return {
         "model": label,
         "checks": checks,

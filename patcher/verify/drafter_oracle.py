@@ -267,9 +267,15 @@ class Reference:
         self.device = self.embed.weight.device
         self.sequence = list(sequence)
         if hidden_states is None:
-            with torch.inference_mode():
-                ids = torch.tensor([self.sequence], device=self.device)
-                hidden_states = target(ids, use_cache=False, output_hidden_states=True).hidden_states
+            from .oracle import plain_forward
+
+            shared = plain_forward(target, self.sequence, hidden_states=True)  # the logits oracle's forward, shared
+            if shared is not None:
+                hidden_states = shared[1]
+            else:  # a routed target: its forward may follow the decode's experts (routers.following_reference)
+                with torch.inference_mode():
+                    ids = torch.tensor([self.sequence], device=self.device)
+                    hidden_states = target(ids, use_cache=False, output_hidden_states=True).hidden_states
         self.hidden_states = hidden_states
         self.layer_ids = list(draft.target_layer_ids)
         self.features = self.pick(self.layer_ids, 1)  # [seq, F] in the target's dtype and device
@@ -318,21 +324,28 @@ class DrafterCalibration:
         return {"dtype": self.dtype, "floors": self.floors, "tolerances": self.tolerances}
 
 
-def calibrate(target, draft, prompt, continuation, mask_id: int, block_size: int) -> DrafterCalibration:
+def calibrate(target, draft, prompt, continuation, mask_id: int, block_size: int, stepped_hidden: list | None = None) -> DrafterCalibration:
     """Two exact computations of the context features (one multi-token forward without a cache, token by
-    token with a cache), and the from-scratch drafter output on each: their largest differences are the floors."""
+    token with a cache), and the from-scratch drafter output on each: their largest differences are the floors.
+    ``stepped_hidden``: the token-by-token forwards' hidden states as the greedy reference computed them
+    (``models.greedy(hidden=)``, the same forwards), else computed here."""
     import torch
     from transformers import DynamicCache
+
+    from .context import with_cache
 
     roles = roles_of(draft)
     seq = prompt[0].tolist() + list(continuation)
     ref = Reference(target, draft, seq)
-    with torch.inference_mode():
-        cache = DynamicCache(config=target.config)
-        ids = torch.tensor([seq], device=ref.device)
-        steps = [target(ids[:, : prompt.shape[1]], past_key_values=cache, use_cache=True, output_hidden_states=True).hidden_states]
-        for i in range(prompt.shape[1], len(seq)):
-            steps.append(target(ids[:, i : i + 1], past_key_values=cache, use_cache=True, output_hidden_states=True).hidden_states)
+    steps = list(stepped_hidden or [])
+    if not steps or sum(s[0].shape[1] for s in steps) != len(seq):  # not given, or not this sequence's
+        with torch.inference_mode():
+            cache = DynamicCache(config=target.config)
+            ids = torch.tensor([seq], device=ref.device)
+            kw = dict(**with_cache(target, cache), use_cache=True, output_hidden_states=True)
+            steps = [target(ids[:, : prompt.shape[1]], **kw).hidden_states]
+            for i in range(prompt.shape[1], len(seq)):
+                steps.append(target(ids[:, i : i + 1], **kw).hidden_states)
     stepped = tuple(torch.cat([s[j] for s in steps], dim=1) for j in range(len(steps[0])))
     other = Reference(target, draft, seq, hidden_states=stepped)
     a, b = ref.features.float().cpu(), other.features.float().cpu()

@@ -246,8 +246,12 @@ def check_fit(target, draft) -> None:
 
 
 # ----------------------------------------------------------------------------- the reference
-def greedy(target, prompt, max_new_tokens: int, stop_ids=(), use_cache: bool = True) -> list[int]:
-    """The target's own greedy decoding, one token at a time (the oracle's reference)."""
+def greedy(target, prompt, max_new_tokens: int, stop_ids=(), use_cache: bool = True, rows: list | None = None,
+           hidden: list | None = None) -> list[int]:
+    """The target's own greedy decoding, one token at a time (the oracle's reference). ``rows``: a list that receives
+    the logits row (float32, CPU) that decided each token: the noise floor's token-by-token way, not computed again.
+    ``hidden`` (with a cache): a list that receives each forward's hidden states, a forward for the last token too: the
+    drafter oracle's token-by-token features (``drafter_oracle.calibrate``), the same forwards."""
     import torch
     from transformers import DynamicCache
 
@@ -260,20 +264,32 @@ def greedy(target, prompt, max_new_tokens: int, stop_ids=(), use_cache: bool = T
     last = last_row_only(target)
     if max_new_tokens <= 0:
         return out
+    states = {"output_hidden_states": True} if hidden is not None and use_cache else {}
     with torch.inference_mode():
         if use_cache:
             cache = DynamicCache(config=target.config)
-            logits = target(ids, **with_cache(target, cache), use_cache=True).logits
+            output = target(ids, **with_cache(target, cache), use_cache=True, **states)
+            if states:
+                hidden.append(output.hidden_states)
+            logits = output.logits
         else:
             logits = target(ids, use_cache=False, **last).logits
         for _ in range(max_new_tokens):
+            if rows is not None:
+                rows.append(logits[0, -1].float().cpu())
             token = int(logits[0, -1].argmax())
             out.append(token)
-            if token in stop_ids or len(out) == max_new_tokens:  # no forward for a token nobody reads
+            done = token in stop_ids or len(out) == max_new_tokens
+            if done and not states:  # no forward for a token nobody reads
                 break
             step = torch.tensor([[token]], device=ids.device)
             if use_cache:
-                logits = target(step, **with_cache(target, cache), use_cache=True, **last).logits
+                output = target(step, **with_cache(target, cache), use_cache=True, **last, **states)
+                if states:
+                    hidden.append(output.hidden_states)
+                if done:
+                    break
+                logits = output.logits
             else:
                 ids = torch.cat([ids, step], dim=1)
                 logits = target(ids, use_cache=False, **last).logits

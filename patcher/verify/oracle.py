@@ -248,10 +248,56 @@ def reference_logits(target, sequence: Sequence[int]):
     followed = routers.following_reference(target, sequence, _committed)
     if followed is not None:
         return followed
+    shared = plain_forward(target, sequence, hidden_states=True)  # the drafter oracle's Reference asks for them next
+    if shared is not None:
+        return shared[0]
     device = target.get_input_embeddings().weight.device
     with torch.inference_mode():
         ids = torch.tensor([list(sequence)], device=device)
         return target(ids, use_cache=False).logits[0].float().cpu()
+
+
+#: The last plain from-scratch forwards (``plain_forward``): (id of the target, sequence) -> (weakref to the target,
+#: logits, hidden states or None), at most ``PLAIN_KEEP``.
+_PLAIN: dict = {}
+PLAIN_KEEP = 2
+#: How many plain forwards ran and how many were answered from memory (the tests and benchmarks read it).
+plain_stats = {"ran": 0, "shared": 0}
+
+
+def plain_forward(target, sequence: Sequence[int], hidden_states: bool = False):
+    """One forward of the target over ``sequence`` without a cache: (logits [len, vocab] float32 on the CPU, the hidden
+    states or None); None for a target with top-k routers, whose from-scratch forwards may follow a decode's experts
+    (``routers.following_reference``) and are never shared. Remembered for the last ``PLAIN_KEEP`` sequences: the
+    mask-id search, the noise floor's multi-token way, each method's logits oracle and its drafter oracle all ask for
+    the same committed sequence (a lossless decode emits the reference), and the same forward on the same input gives
+    the same numbers. The caller only reads what it gets."""
+    import weakref
+
+    import torch
+
+    if not isinstance(target, torch.nn.Module) or routers.routers(target):
+        return None
+    key = (id(target), tuple(int(t) for t in sequence))
+    hit = _PLAIN.get(key)
+    if hit is not None and hit[0]() is target and (hit[2] is not None or not hidden_states):
+        plain_stats["shared"] += 1
+        return hit[1], hit[2]
+    device = target.get_input_embeddings().weight.device
+    with torch.inference_mode():
+        out = target(torch.tensor([list(sequence)], device=device), use_cache=False, output_hidden_states=hidden_states)
+    plain_stats["ran"] += 1
+    value = (weakref.ref(target), out.logits[0].float().cpu(), out.hidden_states if hidden_states else None)
+    _PLAIN.pop(key, None)
+    _PLAIN[key] = value
+    while len(_PLAIN) > PLAIN_KEEP:
+        _PLAIN.pop(next(iter(_PLAIN)))
+    return value[1], value[2]
+
+
+def forget_plain() -> None:
+    """Drop the remembered forwards (a model is done with: its logits and hidden states are freed)."""
+    _PLAIN.clear()
 
 
 def judge_logits(calls: list[dict], final: Sequence[int], reference, prompt_len: int, tolerance: float) -> LogitsVerdict:

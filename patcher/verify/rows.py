@@ -40,10 +40,10 @@ class MethodStats:
         return out
 
 
-def drafter_calibration(target, draft, prompt, reference, mask_token_id, block_size):
+def drafter_calibration(target, draft, prompt, reference, mask_token_id, block_size, stepped_hidden=None):
     """(the drafter oracle's tolerances, None) or (None, why it cannot judge this drafter)."""
     try:
-        return drafter_oracle.calibrate(target, draft, prompt, reference, mask_token_id, block_size), None
+        return drafter_oracle.calibrate(target, draft, prompt, reference, mask_token_id, block_size, stepped_hidden), None
     except drafter_oracle.Unbindable as exc:
         return None, str(exc)
     except Exception as exc:  # a drafter the reference forward cannot drive
@@ -100,10 +100,17 @@ def never_emitted(target, prompts, references) -> int:
 
     seen = {t for ref in references for t in ref} | {int(t) for prompt in prompts for t in prompt.flatten().tolist()}
     worst = None
+    from .oracle import plain_forward
+
     with torch.inference_mode():
         for prompt, ref in zip(prompts, references):
-            ids = torch.cat([prompt, torch.tensor([ref], device=prompt.device)], dim=1) if ref else prompt
-            top = target(ids, use_cache=False).logits[0].float().amax(dim=0).cpu().clone()
+            # the forward the oracles ask for again
+            shared = plain_forward(target, prompt[0].tolist() + list(ref), hidden_states=True)
+            if shared is not None:
+                top = shared[0].amax(dim=0).clone()
+            else:
+                ids = torch.cat([prompt, torch.tensor([ref], device=prompt.device)], dim=1) if ref else prompt
+                top = target(ids, use_cache=False).logits[0].float().amax(dim=0).cpu().clone()
             worst = top if worst is None else torch.maximum(worst, top)
     worst = worst.clone()  # out of inference mode
     if seen:
