@@ -125,7 +125,12 @@ def test_full_recipe_on_dflash_layout(tmp_path):
     assert payload["models"][0]["partial_acceptances"] > 0, "the DFlash layout's rollback was never exercised"
 
 
-def test_unpatched_tree_fails_to_load_with_a_hint():
+def test_unpatched_tree_fails_to_load_with_a_hint(tmp_path, monkeypatch):
+    # as on a machine without `datasets` (the unpatched benchmark imports it at module level), installed here or not
+    stub = tmp_path / "no-datasets" / "datasets"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'datasets'\", name='datasets')\n")
+    monkeypatch.setenv("PYTHONPATH", str(stub.parent))
     code, payload = verify_json(ROOT / "vendored" / "ddtree")
     assert code == 1
     load = payload["checks"][0]

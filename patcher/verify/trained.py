@@ -70,7 +70,8 @@ def folder_preset_options(options: dict) -> dict:
         if not (folder / "model.safetensors").is_file():
             raise ValueError(f"--preset {chosen[0]}: {folder} holds no model.safetensors (run tools/train_tiny_pair.py)")
     # unscripted unless asked: --scripted-draft then scripts the trained drafter's proposals, as with --target/--draft
-    out = {**options, "presets": None, "target": str(target), "draft": str(draft), "scripted_draft": options.get("scripted_draft")}
+    out = {**options, "presets": None, "target": str(target), "draft": str(draft), "scripted_draft": options.get("scripted_draft"),
+           "label": chosen[0]}  # the report names the preset, not its folder ("target")
     for key, value in FOLDER_DEFAULTS.items():
         if out.get(key) is None:
             out[key] = value

@@ -133,8 +133,11 @@ def serve(path: str, answer, blocker, sibling, worker: str) -> int:
     if parent and os.getppid() != int(parent):  # it died before the kernel was asked to tell us
         _exit(children, path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(path)  # before the imports: a first request waits in the backlog meanwhile
+    # before the imports: a first request waits in the backlog meanwhile. Bound under another name and renamed once
+    # it listens: a client that sees the path between bind and listen would be refused
+    listener.bind(path + ".binding")
     listener.listen(16)
+    os.rename(path + ".binding", path)
     preload(sibling)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     events = selectors.DefaultSelector()
