@@ -13,11 +13,11 @@ release you have installed), with:
   up to 5.23) of the tested classes is cleared;
 
 and prints a family x test table (pass, FAIL, refused: ``lossless`` refused the model on entry, skip, ERROR: the
-family's test file did not import; a cell shows the worst of the family's test classes), the count of every result,
+family's test file did not import, vacuous: the test returned instead of running (a bare ``@is_flaky``), so it
+proved nothing; a cell shows the worst of the family's test classes), the count of every result,
 and the first error line of each FAIL, refusal and ERROR; JSON with ``--json FILE``. ``--no-lossless`` is the
 control: the skip lifted, nothing recorded. Test files that bring the mixin through transformers' shared testers
-(``CausalLMModelTest`` and kin) are run too; one file that does not import does not stop the others; a test that
-returns a value instead of running (a bare ``@is_flaky``) fails instead of passing.
+(``CausalLMModelTest`` and kin) are run too; one file that does not import does not stop the others.
 
     git -C ~/src/transformers checkout v5.25.0
     python3 benchmarks/peer_generation_tests.py ~/src/transformers                       # every family with tests
@@ -50,7 +50,7 @@ _ERRORS: dict[str, str] = {}  # test id -> the first error line of a FAIL, a ref
 #: the test classes that bring GenerationTesterMixin's tests (transformers' shared testers inherit it)
 TESTER_NAMES = ("GenerationTesterMixin", "CausalLMModelTest", "VLMModelTest", "ALMModelTest", "MultiModalModelTest")
 #: a test that returns a value instead of running (``@is_flaky`` without its parentheses returns the decorator) passes
-#: with only a DeprecationWarning: made an error, so that it is no silent pass
+#: with only a DeprecationWarning: made an error, reported as ``vacuous`` (never a pass, never a lossless failure)
 VACUOUS = "error:It is deprecated to return a value:DeprecationWarning"
 
 
@@ -149,11 +149,13 @@ def pytest_runtest_logreport(report):
         outcome = "pass"
     elif report.skipped:
         outcome = "skip"
-    else:
-        outcome = "refused" if "UnsupportedModelError" in str(report.longrepr) else "FAIL"
+    elif "UnsupportedModelError" in str(report.longrepr):
+        outcome = "refused"
+    else:  # a test that returned instead of running (VACUOUS) proved nothing either way: its own outcome
+        outcome = "vacuous" if "deprecated to return a value" in str(report.longrepr) else "FAIL"
     if _RESULTS.get(report.nodeid) in (None, "pass"):  # a failed setup or teardown outranks a passed call
         _RESULTS[report.nodeid] = outcome
-        if outcome in ("FAIL", "refused"):
+        if outcome in ("FAIL", "refused", "vacuous"):
             _ERRORS[report.nodeid] = _first_error(report)
 
 
@@ -203,7 +205,7 @@ def run(source: Path, families: list[str] | None, tests: str, use_lossless: bool
 
 
 #: a cell holds one test of every test class of the family (qwen3_5 has two): it shows the worst
-WORST_FIRST = ("ERROR", "FAIL", "refused", "skip", "pass")
+WORST_FIRST = ("ERROR", "FAIL", "vacuous", "refused", "skip", "pass")
 
 
 def table(results: dict) -> tuple[list[str], dict[str, dict[str, str]]]:
