@@ -113,6 +113,18 @@ def test_a_renamed_copy_sorted_first_is_verified_through_the_canonical_decoder(t
     assert left["qualname"] == "chain_generate" and "same code as dflash" in left["reason"]
 
 
+def test_the_files_exclude_left_out_are_named_in_the_coverage_row(tmp_path):
+    from patcher.verify.methods import coverage_check
+
+    root = write(tmp_path, {"dflash.py": LOOP.format(name="dflash_generate", params="model, target, input_ids, max_new_tokens"),
+                            "analysis/target_tok.py": LOOP.format(name="probe_generate", params="target, input_ids")})
+    plan = decoders.plan(root, exclude=("analysis",))
+    assert [d["qualname"] for d in plan["decoders"]] == ["dflash_generate"] and plan["excluded"] == ["analysis/target_tok.py"]
+    row = coverage_check([dict(d, verified=True) for d in plan["decoders"]], plan["unparsed"], [], plan["excluded"])
+    assert "--exclude left out 1 file(s): analysis/target_tok.py" in row["evidence"] and row["excluded"] == plan["excluded"]
+    assert decoders.plan(root)["excluded"] == []
+
+
 def test_more_decoders_than_the_limit_are_named_with_the_way_to_pick(tmp_path):
     files = {f"m{i}.py": LOOP.format(name=f"gen{i}", params="target, input_ids, max_new_tokens").replace("break", f"x = {i}")
              for i in range(decoders.MAX_DECODERS + 2)}

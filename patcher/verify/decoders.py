@@ -77,18 +77,22 @@ class Inventory:
     decoders: list[Decoder] = field(default_factory=list)
     drafters: list[dict] = field(default_factory=list)  # {"file", "module", "name", "bases", "line"}
     unparsed: list[str] = field(default_factory=list)
+    excluded: list[str] = field(default_factory=list)  # the Python files --exclude left out
 
     def as_dict(self) -> dict:
         return {"decoders": [d.as_dict() for d in self.decoders], "drafters": self.drafters, "unparsed": self.unparsed}
 
 
 # ----------------------------------------------------------------------------- reading the tree
-def python_files(tree: Path, exclude: tuple[str, ...] = ()):
+def python_files(tree: Path, exclude: tuple[str, ...] = (), left: list | None = None):
+    """The tree's Python files a decoder may live in; ``left`` receives the ones ``--exclude`` left out."""
     for path in sorted(tree.rglob("*.py")):
         rel = path.relative_to(tree)
         if any(part.startswith(".") or part in SKIP_PARTS for part in rel.parts[:-1]) or rel.name.startswith("test_"):
             continue
         if any(excluded(rel, glob) for glob in exclude):
+            if left is not None:
+                left.append(rel.as_posix())
             continue
         yield path, rel
 
@@ -203,7 +207,7 @@ def inventory(tree: Path, exclude: tuple[str, ...] = ()) -> Inventory:
     """Every decoder (entry points into a decode loop) and drafter class of ``tree``."""
     found = Inventory()
     info = {}  # (file, qualname) -> facts
-    for path, rel in python_files(tree, exclude):
+    for path, rel in python_files(tree, exclude, found.excluded):
         try:
             text = path.read_text(encoding="utf-8")
             module = ast.parse(text)
@@ -344,4 +348,4 @@ def plan(tree: Path, entries: list[str] | None = None, exclude: tuple[str, ...] 
                 chosen.append(d)
     others = [d for d in found.decoders if d not in chosen]
     return {"decoders": [d.as_dict() for d in chosen], "left_out": [d.as_dict() for d in others],
-            "drafters": found.drafters, "unparsed": found.unparsed}
+            "drafters": found.drafters, "unparsed": found.unparsed, "excluded": found.excluded}

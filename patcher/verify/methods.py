@@ -127,7 +127,7 @@ def load(tree: Path, plan: dict, budgets: list[int], error_summary) -> Loaded:
     return Loaded(methods, drafters, primary, decoders, problems, notes)
 
 
-def coverage_check(decoders: list[dict], unparsed: list[str], notes: list[str]) -> dict:
+def coverage_check(decoders: list[dict], unparsed: list[str], notes: list[str], excluded: list[str] | None = None) -> dict:
     """``decoders: N found, M verified``: a decoder left out of a file that ddpatch patched is a finding, unless the
     user left it out (``--entry``) or it is the same code as one verified (``same_as``)."""
     verified = [d for d in decoders if d.get("verified")]
@@ -143,8 +143,10 @@ def coverage_check(decoders: list[dict], unparsed: list[str], notes: list[str]) 
         text += "; drafter classes not run: " + "; ".join(notes)
     if unparsed:
         text += f"; {len(unparsed)} file(s) not parsed: {', '.join(unparsed[:5])}"
+    if excluded:
+        text += f"; --exclude left out {len(excluded)} file(s): {', '.join(excluded[:5])}" + (", ..." if len(excluded) > 5 else "")
     check = {"check": "decoders", "passed": bool(verified) and not finding, "evidence": text,
-             "decoders": decoders}
+             "decoders": decoders, "excluded": list(excluded or [])}
     if finding:
         check["evidence"] = (f"{len(finding)} decoder(s) in files ddpatch patched were not verified: "
                              + "; ".join(f"{d['file']}:{d['qualname']}" for d in finding) + f"; {text}")

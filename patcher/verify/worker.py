@@ -119,11 +119,11 @@ def run(cfg: dict) -> dict:
         d, err = loaded.problems[0]
         result["checks"].append({"check": "loads", "passed": False, **err,
                                  "evidence": f"{d['file']}:{d['qualname']}: {err['error']}"})
-        result["checks"].append(methods.coverage_check(loaded.decoders, plan["unparsed"], loaded.drafter_notes))
+        result["checks"].append(methods.coverage_check(loaded.decoders, plan["unparsed"], loaded.drafter_notes, plan.get("excluded")))
         return result
     result["checks"].append({"check": "loads", "passed": True, "evidence": ", ".join(
         [f"{d['qualname']} from {d['module']}" for d in plan["decoders"]] + [f"{n} from {c.__module__}" for n, c in loaded.drafters.items()])})
-    result["checks"].append(methods.coverage_check(loaded.decoders, plan["unparsed"], loaded.drafter_notes))
+    result["checks"].append(methods.coverage_check(loaded.decoders, plan["unparsed"], loaded.drafter_notes, plan.get("excluded")))
     result["decoders"] = loaded.decoders
     if not loaded.methods:
         return result
