@@ -285,7 +285,7 @@ def verify_model(label: str, cfg: dict, loaded, target, drafts: dict, mask_token
             rows.append({**row, "real_drafter": real})
             dcal, draft_skip = dcals.get(method.drafter, (None, None))
             rows.append(routers.inconclusive(drafter_check(name, st.runs, draft_skip), st.runs, dtype, f32))
-            if not (is_preset or scripted) and not sampling:  # a real drafter: its acceptance, judged against a stored floor or reported
+            if real and not sampling:  # a real drafter: its acceptance, judged against a stored floor or reported
                 rows.append(accept.method_check(name, st.runs, cfg.get("acceptance_floor"), cfg.get("acceptance_floor_missing") or
                                                 "no stored floor for this drafter", cfg, dtype, references, rows[-1], method.kind,
                                                 method.budget))
