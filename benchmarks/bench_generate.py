@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from patcher.lossless import lossless  # noqa: E402
 from patcher.verify import generate_mode as gm  # noqa: E402
-from patcher.verify.presets import MASK_TOKEN_ID, build_target  # noqa: E402
+from patcher.verify.models.presets import MASK_TOKEN_ID, build_target  # noqa: E402
 
 
 def prompt(length: int, seed: int = 0) -> torch.Tensor:

@@ -29,7 +29,7 @@ run is stopped (SIGKILL to its process group) past ``--max-rss-gb`` or ``--time-
 hopeless run on a shared machine ends with figures instead of taking the machine with it.
 
 ``--profile`` runs the same verify in one process of its own (the verifier's ``worker.run``, imported as
-``patcher.verify.worker``, on the same settings) with timing wrappers on the verifier's named steps
+``patcher.verify.process.worker``, on the same settings) with timing wrappers on the verifier's named steps
 (``PROFILED``; a name this checkout lacks is listed as absent) and hooks on the target, and prints per
 step: calls, seconds (inclusive: a step's time holds the steps it calls), the target forwards it ran
 directly (count, tokens fed, logits rows computed, seconds in them and in the LM head), and how much it
@@ -154,7 +154,7 @@ def profile_child(cfg: dict) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    worker = importlib.import_module("patcher.verify.worker")
+    worker = importlib.import_module("patcher.verify.process.worker")
     stats: dict[str, dict] = {}
     stack: list[str] = []
 
@@ -241,7 +241,7 @@ def profile_child(cfg: dict) -> dict:
 
 def run_profile(tree: Path, target: Path, time_limit: float, max_rss: float) -> dict:
     sys.path.insert(0, str(ROOT))
-    from patcher.verify.runner import DEFAULTS, child_env
+    from patcher.verify.process.runner import DEFAULTS, child_env
 
     cfg = {**DEFAULTS, "tree": str(tree.resolve()), "target": str(target), "scripted_draft": True, "dtype": "bfloat16"}
     figures, stdout, stderr = watched([sys.executable, str(Path(__file__).resolve()), "--profile-child", json.dumps(cfg)],

@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from patcher import runtime as rt  # noqa: E402
-from patcher.verify.presets import build_target  # noqa: E402
+from patcher.verify.models.presets import build_target  # noqa: E402
 
 DEFAULT_PRESETS = "tiny-qwen3_5,tiny-qwen3-next,mid-qwen3_5"
 CHAIN_BLOCKS = (8, 16)

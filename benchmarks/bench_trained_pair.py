@@ -48,7 +48,7 @@ def load(tree: Path, pair: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from patcher.verify import decoders, methods
-    from patcher.verify.events import error_summary
+    from patcher.verify.plumbing.events import error_summary
 
     loaded = methods.load(tree, decoders.plan(tree), [8], error_summary)
     by_label = {m.decoder["label"]: m.fn for m in loaded.methods if m.fn is not None}
@@ -61,8 +61,8 @@ def load(tree: Path, pair: Path):
 
 def reference_acceptance(pair: Path, n_prompts: int, new: int, block: int) -> dict:
     """Per method, the mean acceptance of ddpatch's from-scratch reference decode (the stored floor file)."""
-    from patcher.verify.acceptance import FLOOR_FILE
-    from patcher.verify.reference_decode import walk
+    from patcher.verify.judge.acceptance import FLOOR_FILE
+    from patcher.verify.judge.reference_decode import walk
 
     path = pair / FLOOR_FILE
     if not path.is_file():
@@ -96,8 +96,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(ROOT))
-    from patcher.verify.binding import call_generate
-    from patcher.verify.models import greedy
+    from patcher.verify.subjects.binding import call_generate
+    from patcher.verify.models.load import greedy
 
     with tempfile.TemporaryDirectory(prefix="bench-pair-") as tmp:
         tree = args.tree.resolve() if args.tree else patched_tree(Path(tmp) / "ddtree")

@@ -96,7 +96,7 @@ def greedy(model, ids, new_tokens: int, **kwargs) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
-# The same computation as ddpatch's `verify --generate` native-control row (patcher/verify/generate_mode.py,
+# The same computation as ddpatch's `verify --generate` native-control row (patcher/verify/judge/generate_mode.py,
 # `native_divergence`), duplicated on purpose: this script must run without ddpatch installed, so that it can be
 # attached to a transformers report. Keep the two in step.
 @torch.no_grad()

@@ -29,7 +29,7 @@ from .ci import BISECT_THRESHOLD, HUNK_LINES
 from .engine.recipe import Recipe, builtin_recipes, load_recipe
 from .errors import INPUT_ERRORS, CIError, EngineError, JournalError, RecipeError, VerifierCrash, VerifyError
 from .results import ApplyResult, CIResult, Outcome, Report, RevertResult, StepDoc
-from .verify.presets import PRESETS
+from .verify.models.presets import PRESETS
 
 # The engine (and libcst), the verifier's runner and ci's history are imported by the functions
 # that run them, so that importing this module, and ``ddpatch --help`` above it, stays cheap.
@@ -234,17 +234,17 @@ def workflow_template() -> str:
 
 def verify(path: str | Path, timeout: float = 600.0, progress: Callable[[dict], None] | None = None, upstream_tests: bool = False,
            original: str | Path | None = None, **options) -> Outcome:
-    """Run the tree's own decoders in a child process and judge them (options: the keys of ``patcher.verify.runner.DEFAULTS``,
+    """Run the tree's own decoders in a child process and judge them (options: the keys of ``patcher.verify.process.runner.DEFAULTS``,
     ``target``/``draft`` folders, ``scripted_draft``, ``temperature``, ...). ``upstream_tests``: also run the tree's own
     tests before and after the patch (the unpatched tree: ``original``, else the in-place apply's journal)."""
-    from .verify.runner import run_verify
+    from .verify.process.runner import run_verify
 
     unpatched = _unpatched(Path(path), original) if upstream_tests or original is not None else None  # bad input: before the run
     if Path(path).is_dir() and not options.get("entries"):  # --entry names the decoders: the runner checks them
         require_decoder(path, options.get("exclude") or ())
     outcome = run_verify(Path(path), timeout=timeout, progress=progress, **options)
     if unpatched is not None:
-        from .verify.upstream_tests import upstream_tests_row
+        from .verify.subjects.upstream_tests import upstream_tests_row
 
         outcome.result.setdefault("checks", []).append(upstream_tests_row(Path(path), unpatched, _steps_by_file, timeout, progress))
     return outcome
@@ -258,7 +258,7 @@ def _unpatched(path: Path, original: str | Path | None):
     import json
 
     from .engine import journal
-    from .verify.upstream_tests import Unpatched
+    from .verify.subjects.upstream_tests import Unpatched
 
     if original is not None:
         source = Path(original).expanduser().resolve()

@@ -24,7 +24,7 @@ from .commands.base import (EXIT_PENDING, FORMAT, Failure, Main, configured, fri
 from .commands.ci import ci
 from .commands.env import env as env_command
 from .results import EXIT_FAILED, EXIT_INTERNAL, EXIT_OK
-from .verify.presets import PRESETS  # the names only: torch is not imported
+from .verify.models.presets import PRESETS  # the names only: torch is not imported
 
 # the short names the commands below use
 _options, _ints, _configured, _report_errors, _lossy_line, _next_step = options, ints, configured, report_errors, lossy_line, next_step
@@ -334,8 +334,8 @@ def verify(path, timeout, temperature, top_p, top_k, sampling_runs, default_init
 
 
 def _verify_generate(path, fmt, modes, assistant, options, temperature, top_p, top_k, sampling_runs) -> int:
-    """``verify --generate``: ``patcher.verify.generate_mode`` in this process, the same report."""
-    from .verify.generate_mode import MODES, run_generate
+    """``verify --generate``: ``patcher.verify.judge.generate_mode`` in this process, the same report."""
+    from .verify.judge.generate_mode import MODES, run_generate
 
     if path is not None:
         raise Failure(f"--generate takes no PATH (got {path}): it verifies transformers' generate(), not a tree")

@@ -14,7 +14,7 @@ suite is grouped per variant instead (a variant's apply is shared by its fast an
 so its 30-odd variants spread over the workers. Each worker gets its own ``DDPATCH_HOME`` and
 one torch thread.
 
-Each worker also runs a warm verifier (``patcher.verify.runner.warm_verifier``) for the
+Each worker also runs a warm verifier (``patcher.verify.process.runner.warm_verifier``) for the
 session: a ``ddpatch verify`` child, in process or from a ``ddpatch`` subprocess, is forked
 from a process that imported torch and transformers once, instead of a fresh Python (about
 half of a tiny verify's time). ``DDPATCH_TEST_VERIFIER=fresh`` runs every verify the way a
@@ -110,7 +110,7 @@ def _warm_verifier(_own_ddpatch_home):
     if os.environ.get("DDPATCH_TEST_VERIFIER", "warm") == "fresh":
         yield None
         return
-    from patcher.verify.runner import warm_verifier
+    from patcher.verify.process.runner import warm_verifier
 
     with warm_verifier() as path:
         yield path

@@ -2,7 +2,7 @@
 
 transformers 5.24+ warns (FutureWarning, "will be removed in version 5.40.0") when a model call passes its
 cache as ``past_key_values=``; ddpatch's runtime and verifier pass ``cache=`` where the forward takes it
-(``patcher.runtime.discovery._call_kwargs``, ``patcher.verify.context.with_cache``). Tests and the
+(``patcher.runtime.discovery._call_kwargs``, ``patcher.verify.models.context.with_cache``). Tests and the
 upstream-shaped ``vendored/`` code may still call the old way, so the warning as such proves nothing: this
 plugin looks at who made the call. Every such warning whose model call was made by ``patcher/`` (the
 runtime, the verifier, ``lossless``) or a patched tree's ``_ddpatch_runtime/`` copy fails the test that

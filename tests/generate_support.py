@@ -2,7 +2,7 @@
 checkpoint folder where the family has one), a scripted assistant and a scripted MTP head that are
 right often but not always, prompts with repeated n-grams, and plain greedy references.
 
-The targets are the verifier's presets (``patcher.verify.presets``): their state parameters are
+The targets are the verifier's presets (``patcher.verify.models.presets``): their state parameters are
 drawn so that state matters, so a rollback that is not exact changes the greedy output.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from patcher.verify import generate_mode
-from patcher.verify.presets import MASK_TOKEN_ID, build_target
+from patcher.verify.models.presets import MASK_TOKEN_ID, build_target
 
 #: stateful presets: Gated DeltaNet, hybrid MoE, Mamba2 hybrids, short conv, Kimi Delta Attention
 STATEFUL = ("tiny-qwen3_5", "tiny-qwen3_5-moe", "tiny-nemotron-h", "tiny-granitemoehybrid", "tiny-falcon-h1",

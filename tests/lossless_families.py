@@ -7,7 +7,7 @@ shapes:
   experts, state sizes, vocabulary) are set small, the layer pattern is the default one, cut after the layer
   where the last kind of layer first appears (at least ``MIN_LAYERS``). NemotronH's default puts a MoE block
   before its first attention layer; Bamba's and GraniteMoeHybrid's default has no attention layer at all;
-* ``preset``: ddpatch's own preset (``patcher.verify.presets``), where there is one;
+* ``preset``: ddpatch's own preset (``patcher.verify.models.presets``), where there is one;
 * ``real``: a pattern a published checkpoint uses, where the default and the preset both miss its shape
   (NemotronH: ``-`` (MLP) and ``E`` (MoE) blocks before the first ``*`` (attention); Bamba: attention layers
   among Mamba2 ones, where its default has none).
@@ -95,7 +95,7 @@ def build(model_type: str, shape: str = "default", seed: int = 0):
     """The family's model in ``shape``, seeded, float32, eval mode, on CPU."""
     import torch
 
-    from patcher.verify.presets import MASK_TOKEN_ID, build_target, make_state_matter
+    from patcher.verify.models.presets import MASK_TOKEN_ID, build_target, make_state_matter
 
     family = FAMILIES[model_type]
     if shape == "preset":

@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from patcher.verify.presets import build_target
+from patcher.verify.models.presets import build_target
 
 ATOL, RTOL = 1e-5, 1e-4
 VOCAB_DRAW = 60  # token ids drawn below the presets' mask token

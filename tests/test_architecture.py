@@ -62,7 +62,7 @@ def test_the_graph_check_fails_on_an_upward_import_a_cycle_and_a_long_module(gra
     _append(root / "patcher" / "results.py", "\nfrom .errors import EngineError\n")
     _append(root / "patcher" / "errors.py", "\nfrom .results import Report\n")  # results <-> errors
     _append(root / "patcher" / "report" / "diff.py", "\nfrom ..cli import main\n")
-    _append(root / "patcher" / "verify" / "models.py", "\nfrom ..results import Outcome\n")  # the child reaches out
+    _append(root / "patcher" / "verify" / "models" / "load.py", "\nfrom ...results import Outcome\n")  # the child reaches out
     _append(root / "patcher" / "runtime" / "verify.py", "\nimport transformers\n")  # at module level
     _append(root / "patcher" / "api.py", "\n" * 500)
     (root / "patcher" / "ci" / "__init__.py").write_text('"""ci."""\n')
@@ -71,7 +71,7 @@ def test_the_graph_check_fails_on_an_upward_import_a_cycle_and_a_long_module(gra
     assert "import cycle between modules: patcher.errors -> patcher.results" in found
     assert re.search(r"patcher\.errors imports patcher\.results: errors \(layer \d+\) may import only lower layers", found)
     assert "patcher.report.diff imports patcher.cli: nothing imports the CLI" in found
-    assert "patcher.verify.models imports patcher.results: the verifier's child modules" in found
+    assert "patcher.verify.models.load imports patcher.results: the verifier's child modules" in found
     assert "patcher.runtime.verify imports transformers" in found
     assert "patcher.api:" in found and "over 500" in found
     assert "patcher.ci/__init__.py: its docstring must be two lines" in found

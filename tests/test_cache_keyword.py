@@ -22,7 +22,7 @@ from runtime_support import VOCAB_DRAW
 from patcher import runtime as rt
 from patcher.runtime import discovery
 from patcher.verify import calibration, context, models
-from patcher.verify.presets import build_target
+from patcher.verify.models.presets import build_target
 
 TAKES_CACHE = "cache" in inspect.signature(Qwen3_5ForCausalLM.forward).parameters  # transformers 5.24+
 

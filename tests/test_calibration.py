@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from patcher.verify import calibration, checks, models, neartie, oracle
-from patcher.verify.presets import build_target
+from patcher.verify.models.presets import build_target
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE_ONLY = "verify-forward,tree-commit,draft-sliding-window"

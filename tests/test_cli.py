@@ -504,7 +504,7 @@ def test_update_lock_defaults_to_a_lock_beside_the_fork(tmp_path, monkeypatch):
 def test_verify_help_states_the_float32_tolerance_the_code_uses():
     import re
 
-    from patcher.verify.calibration import FLOAT32_MIN_TOLERANCE
+    from patcher.verify.judge.calibration import FLOAT32_MIN_TOLERANCE
 
     text = " ".join(run("verify", "--help").output.split())
     found = re.search(r"float32 at least ([0-9.e-]+)", text)

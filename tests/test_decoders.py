@@ -1,4 +1,4 @@
-"""Which decoders a tree holds, found by what they do (``patcher.verify.decoders``): a function that runs a model
+"""Which decoders a tree holds, found by what they do (``patcher.verify.subjects.decoders``): a function that runs a model
 with a cache round after round in a loop, whatever its name; the functions that call such a loop where it cannot be
 called itself; a drafter's own decoding method; and ``--entry`` / ``[tool.ddpatch] entry`` to pick by hand.
 Static: nothing here imports a tree or torch."""
@@ -114,7 +114,7 @@ def test_a_renamed_copy_sorted_first_is_verified_through_the_canonical_decoder(t
 
 
 def test_the_files_exclude_left_out_are_named_in_the_coverage_row(tmp_path):
-    from patcher.verify.methods import coverage_check
+    from patcher.verify.subjects.methods import coverage_check
 
     root = write(tmp_path, {"dflash.py": LOOP.format(name="dflash_generate", params="model, target, input_ids, max_new_tokens"),
                             "analysis/target_tok.py": LOOP.format(name="probe_generate", params="target, input_ids")})
@@ -157,7 +157,7 @@ def test_verify_entry_is_a_usage_error_in_one_line_and_a_tree_without_decoders_e
 
 
 def test_decoders_left_out_of_a_patched_file_are_a_finding(tmp_path):
-    from patcher.verify.methods import coverage_check
+    from patcher.verify.subjects.methods import coverage_check
 
     left = {"file": "b.py", "qualname": "caddtree_generate", "label": "caddtree_generate", "verified": False,
             "reason": "cannot call it", "patched": True}

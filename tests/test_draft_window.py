@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from patcher.verify.presets import build_target, draft_config
+from patcher.verify.models.presets import build_target, draft_config
 from patcher.runtime import draft_forward
 
 VENDORED_DFLASH = Path(__file__).resolve().parent.parent / "vendored" / "dflash"

@@ -202,7 +202,7 @@ def test_native_draft_masks_equal_draft_forward_windowing(impl, tmp_path):
     see ``q - k < window``, full layers everything."""
     from transformers import DynamicCache
 
-    from patcher.verify.presets import build_target, draft_config
+    from patcher.verify.models.presets import build_target, draft_config
     from patcher.runtime import draft_forward
 
     native_cls = semantics.load_draft_class(BY_NAME["native-5x"].make(tmp_path / "native"), "dflash")

@@ -19,7 +19,7 @@ import transformers
 
 from patcher import runtime
 from patcher.env import release
-from patcher.verify.presets import PRESETS, build_target
+from patcher.verify.models.presets import PRESETS, build_target
 
 ROOT = Path(__file__).resolve().parent.parent
 _TRANSFORMERS = release(transformers.__version__)

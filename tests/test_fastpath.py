@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from runtime_support import depths, model, one_thread, path_to, prefill, tree_mask  # noqa: F401 (fixture)
 
 from patcher import runtime as rt
-from patcher.verify.presets import build_target
+from patcher.verify.models.presets import build_target
 
 transformers = pytest.importorskip("transformers")
 DynamicCache = transformers.DynamicCache

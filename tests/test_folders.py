@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from patcher.verify.presets import PRESETS, build_target
+from patcher.verify.models.presets import PRESETS, build_target
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE_ONLY = "verify-forward,tree-commit,draft-sliding-window"

@@ -50,7 +50,7 @@ def test_a_target_only_helper_gets_the_targets_config_and_runs_on_a_hybrid(tmp_p
     import torch
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=None))  # the unpatched tree imports it
-    from patcher.verify.presets import build_target
+    from patcher.verify.models.presets import build_target
 
     src, out = variant("target-only-helper", tmp_path), tmp_path / "out"
     assert run("apply", src, *RECIPE, "--out", out).exit_code == 0
@@ -257,7 +257,7 @@ def test_verify_exclude_reaches_the_decoder_search_from_the_cli_and_the_config(t
 
 def test_verify_refuses_in_the_parent_before_a_child_starts(tmp_path, monkeypatch):
     started = []
-    monkeypatch.setattr("patcher.verify.runner.run_verify", lambda *a, **k: started.append(a))
+    monkeypatch.setattr("patcher.verify.process.runner.run_verify", lambda *a, **k: started.append(a))
     tree = variant("not-a-decoder", tmp_path)
     with pytest.raises(api.VerifyError, match="no DDTree/DFlash decoder found in"):
         api.verify(tree)

@@ -85,7 +85,7 @@ def test_the_text_report_marks_the_row_as_the_control(outcome, capsys):
 
 def test_native_divergence_is_the_scripts_own_computation():
     """The function is duplicated on purpose (the script must not import ddpatch): the two must agree."""
-    from patcher.verify.presets import build_target
+    from patcher.verify.models.presets import build_target
 
     script = load_script()
     model = build_target("tiny-qwen3_5")
@@ -114,7 +114,7 @@ def test_the_script_needs_only_torch_and_transformers():
 
 
 def test_the_scripts_model_is_the_tiny_qwen3_5_preset():
-    from patcher.verify.presets import build_target
+    from patcher.verify.models.presets import build_target
 
     ours, preset = load_script().build_target(0).state_dict(), build_target("tiny-qwen3_5", seed=0).state_dict()
     assert ours.keys() == preset.keys() and all(torch.equal(ours[k], preset[k]) for k in ours)

@@ -120,7 +120,7 @@ def checks_of(payload: dict) -> dict:
 def test_the_verifier_knows_every_decoder_the_recipe_anchors():
     import tomllib
 
-    from patcher.verify.decoders import CANONICAL
+    from patcher.verify.subjects.decoders import CANONICAL
 
     recipe = tomllib.loads((ROOT / "recipes" / "qwen3_6-gdn.toml").read_text())
     known = {name for names in CANONICAL.values() for name in names}
@@ -199,7 +199,7 @@ def _fn(src: str):
     ],
 )
 def test_parameters_are_bound_by_signature(src, expected):
-    from patcher.verify.binding import bind_roles
+    from patcher.verify.subjects.binding import bind_roles
 
     roles = bind_roles(_fn(src))
     assert {k: roles[k] for k in expected} == expected
@@ -214,7 +214,7 @@ def test_parameters_are_bound_by_signature(src, expected):
     ],
 )
 def test_a_signature_that_cannot_be_bound_is_one_clear_error(src, needle):
-    from patcher.verify.binding import BindError, bind_roles
+    from patcher.verify.subjects.binding import BindError, bind_roles
 
     with pytest.raises(BindError, match="cannot call f") as info:
         bind_roles(_fn(src))

@@ -338,7 +338,7 @@ def test_dflash_is_lossless_with_partial_acceptances(recorded):
     candidates scripted. On 5.25 the native rollback is exact for this block size (the cache keeps one
     recurrent state per drafted token), so the control below must equal the reference too: the recording
     is seen in the count; on 5.23 the control is transformers' refusal."""
-    from patcher.verify.generate_mode import dflash_drafter
+    from patcher.verify.judge.generate_mode import dflash_drafter
 
     model = gs.target("tiny-qwen3_5")
     drafter = dflash_drafter(model)
@@ -403,7 +403,7 @@ def sampled_second_tokens(model, ids, runs: int, **mode) -> dict[int, int]:
 
 
 def sampling_pair(name: str):
-    from patcher.verify.models import prepare_for_sampling
+    from patcher.verify.models.load import prepare_for_sampling
 
     model = gs.build_target(name, seed=0)
     prepare_for_sampling(model, gs.MASK_TOKEN_ID)  # a peaked distribution, as `verify --temperature` uses
@@ -413,8 +413,8 @@ def sampling_pair(name: str):
 
 
 def second_token_test(model, ids, counts):
-    from patcher.verify.checks import second_token_distribution
-    from patcher.verify.oracle import chi_square_test
+    from patcher.verify.judge.checks import second_token_distribution
+    from patcher.verify.judge.oracle import chi_square_test
 
     return chi_square_test(counts, second_token_distribution(model, ids, {"temperature": 0.8}))
 
@@ -485,7 +485,7 @@ def test_verify_generate_fails_when_only_the_refusal_is_lifted(monkeypatch):
     import functools
 
     import patcher.lossless  # noqa: F401  (loads the module; generate_mode reads its `lossless` at call time)
-    from patcher.verify.generate_mode import run_generate
+    from patcher.verify.judge.generate_mode import run_generate
 
     monkeypatch.setattr(sys.modules["patcher.lossless"], "lossless", functools.partial(lossless, record=False))
     outcome = run_generate(presets=["tiny-qwen3_5"], modes=["assistant", "prompt-lookup"], max_new_tokens=24)
@@ -497,7 +497,7 @@ def test_verify_generate_fails_when_only_the_refusal_is_lifted(monkeypatch):
 
 @pytest.mark.slow
 def test_verify_generate_under_sampling_judges_logits_and_the_distribution():
-    from patcher.verify.generate_mode import run_generate
+    from patcher.verify.judge.generate_mode import run_generate
 
     outcome = run_generate(presets=["tiny-qwen3_5"], modes=["assistant", "prompt-lookup"], max_new_tokens=12,
                            temperature=0.8, sampling_runs=120)
@@ -512,7 +512,7 @@ def test_verify_generate_runs_early_exit_and_dflash_exactly_and_fails_a_perturbe
     """``verify --generate --mode early-exit,dflash``: both modes run through the runtime and come out token-identical
     with from-scratch logits; the same run with every commit nudging the recurrent state by 1e-2 fails both modes."""
     from patcher.runtime import commit
-    from patcher.verify.generate_mode import run_generate
+    from patcher.verify.judge.generate_mode import run_generate
 
     calls = []
     real_verify = rt.verify_forward
@@ -599,7 +599,7 @@ def test_the_readme_example_runs_after_importing_the_module_first():
     code = (
         "from patcher.lossless import refusal\n"
         "import patcher, torch\n"
-        "from patcher.verify.presets import build_target\n"
+        "from patcher.verify.models.presets import build_target\n"
         "model = build_target('tiny-qwen3_5')\n"
         "ids = torch.tensor([[5, 9, 5, 9, 5, 9, 1, 2]])\n"
         "plain = model.generate(ids, max_new_tokens=8, do_sample=False)\n"

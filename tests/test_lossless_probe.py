@@ -184,7 +184,7 @@ def test_a_cache_whose_first_layers_hold_nothing_is_measured_by_its_attention_la
 
 def zaya_sliding():
     """Zaya with a sliding hybrid layer (window 4) ahead of a full one."""
-    from patcher.verify.presets import MASK_TOKEN_ID, make_state_matter
+    from patcher.verify.models.presets import MASK_TOKEN_ID, make_state_matter
     from transformers import ZayaForCausalLM
 
     config = lf.default_config("zaya", layer_types=["hybrid_sliding", "hybrid"], sliding_window=4, num_hidden_layers=2)

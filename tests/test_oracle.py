@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from patcher.verify import oracle
-from patcher.verify.oracle import LogitsRecorder, chi_square_test, committed_rows, judge_logits, reference_logits
+from patcher.verify.judge.oracle import LogitsRecorder, chi_square_test, committed_rows, judge_logits, reference_logits
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE_ONLY = "verify-forward,tree-commit"
@@ -107,8 +107,8 @@ def decode(fns, kind: str, perturb_call: int | None = None, eps: float = 1e-5, s
     """Run the patched decoder on tiny-qwen3_5 with the scripted draft; optionally add ``eps`` noise to
     one GDN layer's recurrent state just before the ``perturb_call``-th target forward (so the
     snapshot the commit restores holds it too: the committed state itself is wrong)."""
-    from patcher.verify.binding import call_generate
-    from patcher.verify.models import greedy, load_preset
+    from patcher.verify.subjects.binding import call_generate
+    from patcher.verify.models.load import greedy, load_preset
 
     torch.set_num_threads(1)
     target, drafts, mask, _notes = load_preset("tiny-qwen3_5", 0, {"DFlashDraftModel": fns["draft_cls"]}, 4)
@@ -202,7 +202,7 @@ def test_the_followed_reference_is_computed_only_as_far_as_a_block_reads_it(full
 
     class Eager(Lazy):
         def _follow(self, start, end):  # the whole continuation at once, from the path's prefix
-            from patcher.verify.models import greedy
+            from patcher.verify.models.load import greedy
 
             prefix = self.context.prefix(start, self.reference)
             if prefix != self.reference[: len(prefix)]:

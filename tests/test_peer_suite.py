@@ -83,8 +83,8 @@ class {name}ModelTest(GenerationTesterMixin, unittest.TestCase):
 '''
 
 FAMILIES = {
-    "qwen3_5": (True, "from patcher.verify.presets import build_target\n        return build_target('tiny-qwen3_5', seed=seed)"),
-    "llama": (False, "from patcher.verify.presets import build_target\n        return build_target('tiny-llama', seed=seed)"),
+    "qwen3_5": (True, "from patcher.verify.models.presets import build_target\n        return build_target('tiny-qwen3_5', seed=seed)"),
+    "llama": (False, "from patcher.verify.models.presets import build_target\n        return build_target('tiny-llama', seed=seed)"),
     "mamba": (True, "import torch\n        from transformers import MambaConfig, MambaForCausalLM\n        torch.manual_seed(seed)\n"
                     "        return MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8)).eval()"),
 }

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from patcher.runtime import record_past
 from patcher.runtime.caches import _is_linear_layer, _takes_a_count
-from patcher.verify.presets import build_target
+from patcher.verify.models.presets import build_target
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_a_bare_call_keeps_no_recurrent_states_on_a_release_that_counts(target):
 def test_a_warm_up_that_fails_inside_transformers_names_the_release_and_the_api(target):
     from importlib.metadata import version
 
-    from patcher.verify.events import error_summary
+    from patcher.verify.plumbing.events import error_summary
 
     native = DynamicCache(config=target.config)
     native.activate_past_recording()

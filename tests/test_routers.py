@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from patcher.verify import calibration, models, oracle, routers
-from patcher.verify.presets import build_target
+from patcher.verify.models.presets import build_target
 
 GATE = "model.layers.1.mlp.gate"
 TWINS = (2, 3)

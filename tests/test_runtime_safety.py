@@ -19,7 +19,7 @@ import torch
 from runtime_support import ATOL, RTOL, depths, model, one_thread, prefill, tree_mask  # noqa: F401 (fixture)
 
 from patcher import runtime as rt
-from patcher.verify.presets import build_target
+from patcher.verify.models.presets import build_target
 
 NAME = "tiny-qwen3_5"
 PROMPT = torch.tensor([[1, 2, 3, 4, 5]])

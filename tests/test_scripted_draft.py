@@ -1,6 +1,6 @@
 """The scripted draft keeps its power on real shapes, and a run that cannot see a rollback bug says so.
 
-The draft is scripted at the logits (``patcher/verify/script.py``): at a vocabulary 48 times the hidden size, as in
+The draft is scripted at the logits (``patcher/verify/models/script.py``): at a vocabulary 48 times the hidden size, as in
 real models, its margins are exact and DDTree rounds reach the block's depth, so a tree commit that keeps only the
 first two nodes of the accepted path fails; a hidden-state script (the pseudo-inverse it replaced) left only a
 projection of its logits there, a nearly flat draft whose rounds never accepted more than one token. The block's
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from patcher.verify.rows import rollback_check, settle_rollback
+from patcher.verify.judge.rows import rollback_check, settle_rollback
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--greedy-only", "--seeds", "0", "--prompts", "2", "--max-new-tokens", "24", "--format", "json"]

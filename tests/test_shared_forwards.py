@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from patcher.verify import calibration, drafter_oracle, models, oracle
-from patcher.verify.presets import build_target
+from patcher.verify.models.presets import build_target
 
 
 def _draft_class():

@@ -20,7 +20,7 @@ import pytest
 
 from patcher import api
 from patcher.verify import acceptance, trained
-from patcher.verify.presets import PRESETS
+from patcher.verify.models.presets import PRESETS
 from test_drafter_oracle import BUGS, CHAIN, TREE_, edit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,7 +160,7 @@ def test_the_floor_is_reproduced_by_the_reference_decoders_and_equals_the_patche
     from transformers import AutoModelForCausalLM
 
     from patcher.verify import reference_decode as rd
-    from patcher.verify.models import greedy
+    from patcher.verify.models.load import greedy
 
     data = json.loads(FLOOR.read_text())
     first, n = data["prompts"][0], 16

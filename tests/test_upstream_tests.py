@@ -1,5 +1,5 @@
 """``ddpatch verify --upstream-tests``: the tree's own tests run before and after the patch, and a test the patch
-breaks is a finding that names the step (patcher/verify/upstream_tests.py).
+breaks is a finding that names the step (patcher/verify/subjects/upstream_tests.py).
 
 The trees are ``vendored/dflash`` with a ``tests/`` folder of our own; the breakage is the one an old
 ``cpu-safe-timing`` once wrote into DFlash's newest upstream: a module-level ``import torch`` in a benchmark that

@@ -23,7 +23,7 @@ import pytest
 import torch
 from transformers import DynamicCache, Qwen3Config
 
-from patcher.verify.presets import MASK_TOKEN_ID, build_target, draft_config
+from patcher.verify.models.presets import MASK_TOKEN_ID, build_target, draft_config
 
 VENDORED = Path(__file__).resolve().parents[1] / "vendored"
 DDTREE_DIR = VENDORED / "ddtree"

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from patcher.verify.oracle import compare
+from patcher.verify.judge.oracle import compare
 
 ROOT = Path(__file__).resolve().parent.parent
 HYBRID = ["tiny-qwen3_5", "tiny-qwen3_5-vlm", "tiny-qwen3_5-moe", "tiny-qwen3-next"]
@@ -164,7 +164,7 @@ def _save_local_models(tree: Path, dest: Path, draft_hidden: int | None = None) 
 import sys, torch
 sys.path.insert(0, {str(tree)!r})
 from model import DFlashDraftModel
-from patcher.verify.presets import build_target, draft_config
+from patcher.verify.models.presets import build_target, draft_config
 target = build_target("tiny-qwen3_5", seed=3)
 cfg = draft_config(target, DFlashDraftModel.config_class, num_layers=1, block_size=4)
 if {draft_hidden!r}:

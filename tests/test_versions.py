@@ -201,7 +201,7 @@ import sys
 import transformers
 real = transformers.__version__
 from patcher import runtime as rt
-from patcher.verify.presets import build_target
+from patcher.verify.models.presets import build_target
 model = build_target("tiny-qwen3_5", seed=0)
 for version in ("5.20.2", "5.7.0", "5.2.0", real):  # the runtime checks at first use, and remembers only a pass
     sys.modules["transformers"].__version__ = version  # transformers swaps its lazy module in on first use
@@ -229,7 +229,7 @@ def test_the_logits_recorder_finds_the_cache_by_type_not_keyword(keyword):
     import torch
     from transformers import DynamicCache
 
-    from patcher.verify.oracle import LogitsRecorder
+    from patcher.verify.judge.oracle import LogitsRecorder
 
     class Target(torch.nn.Module):
         def forward(self, input_ids, **kwargs):

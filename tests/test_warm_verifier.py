@@ -1,6 +1,6 @@
-"""The warm verifier (``patcher.verify.runner.warm_verifier``) stands in for a fresh process
+"""The warm verifier (``patcher.verify.process.runner.warm_verifier``) stands in for a fresh process
 exactly: the same verdicts, no state carried from one tree to the next, and a fresh process
-whenever it cannot serve a request the same way (see ``patcher/verify/warm.py``).
+whenever it cannot serve a request the same way (see ``patcher/verify/process/warm.py``).
 
 The rest of the suite runs its verifies through one (tests/conftest.py). These tests use the
 session's where there is one, run without it to compare, and start their own to kill it.

@@ -71,7 +71,10 @@ MAY_IMPORT = {
 LAZY_EXPORTS = {("__init__", "lossless")}
 STANDALONE = ("runtime",)  # imports nothing of patcher, and nothing imports it as code
 IN_PROCESS = ("lossless", "generation")  # ...but these, which run it in the user's own process (generate() made exact)
-CHILD = ("worker", "models", "binding", "checks", "events", "oracle", "presets")  # patcher.verify modules run in the child
+#: patcher.verify's modules that run in the parent only; every other one may run in the verifier's child
+PARENT_ONLY = ("patcher.verify.process.runner", "patcher.verify.judge.generate_mode")  # generate_mode: in-process --generate
+#: patcher.verify's own floors, top first: a sub-package imports only lower floors (or itself)
+VERIFY_FLOORS = [("process",), ("judge",), ("subjects", "models"), ("plumbing",)]
 MAX_LINES = 500
 RUNTIME_MAX_LINES = 400  # the runtime is read by the users whose trees carry it
 RUNTIME_ALLOWED = {"torch"}
@@ -112,7 +115,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> tuple[set[str], se
                 targets.append(sub if sub in known else mod)
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "sibling" and node.args \
                 and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
-            targets.append(f"{here}.{node.args[0].value}")  # verify.worker loads its siblings by name (see child_package)
+            targets.append(f"{here}.{node.args[0].value}")  # verify.process.worker loads its siblings by name (see child_package)
         for t in targets:
             if t == PACKAGE or t.startswith(PACKAGE + "."):
                 while t not in known and "." in t:
@@ -128,6 +131,25 @@ def unit(module: str) -> str:
     """The package a module belongs to: ``patcher.engine.codemods.crop`` -> ``engine``; ``patcher`` -> ``__init__``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
+
+
+def floor_of(module: str) -> str | None:
+    """The sub-package of ``patcher.verify`` a module lies in (``judge``), or None for the package itself."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 or (len(parts) == 3 and parts[2] in {f for fl in VERIFY_FLOORS for f in fl}) else None
+
+
+def verify_floor_violation(a: str, b: str) -> str | None:
+    """Why ``a`` may not import ``b`` inside patcher.verify (its floors point down), or None."""
+    fa, fb = floor_of(a), floor_of(b)
+    level = {f: i for i, names in enumerate(VERIFY_FLOORS) for f in names}
+    if fa is None or fb is None or fa == fb:
+        return None
+    if fa not in level or fb not in level:
+        return f"{fa if fa not in level else fb} has no floor in VERIFY_FLOORS (add it to tools/import_graph.py)"
+    if level[fb] <= level[fa]:
+        return f"verify's {fa} (floor {level[fa]}) may import only lower floors, not {fb} (floor {level[fb]})"
+    return None
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -192,8 +214,12 @@ def analyse(root: Path = ROOT) -> dict:
                 violations.append(f"{a} imports {b}: {ua} (layer {layer_of[ua]}) may import only lower layers, not {ub} (layer {layer_of[ub]})")
             elif ub != ua and ub not in MAY_IMPORT.get(ua, set()):
                 violations.append(f"{a} imports {b}: {ua} may import only {', '.join(sorted(MAY_IMPORT.get(ua, ()))) or 'nothing of patcher'}")
-            if ua == "verify" and a.rpartition(".")[2] in CHILD and ub != "verify":
+            if ua == "verify" and a not in PARENT_ONLY and ub != "verify":
                 violations.append(f"{a} imports {b}: the verifier's child modules import nothing of patcher outside patcher.verify")
+            if ua == ub == "verify":
+                why = verify_floor_violation(a, b)
+                if why:
+                    violations.append(f"{a} imports {b}: {why}")
     runtime = f"{PACKAGE}.runtime"
     stdlib = set(sys.stdlib_module_names) | {"__future__"}
     for name in sorted(k for k in known if k == runtime or k.startswith(runtime + ".")):

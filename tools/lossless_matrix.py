@@ -77,8 +77,8 @@ def scripted(assistant, reference: list[int], seed: int):
     ``generate_mode.RIGHT`` (another token otherwise); it drafts 5 tokens a round, whatever its confidence."""
     import torch
 
-    from patcher.verify.generate_mode import Script
-    from patcher.verify.presets import MASK_TOKEN_ID
+    from patcher.verify.judge.generate_mode import Script
+    from patcher.verify.models.presets import MASK_TOKEN_ID
 
     script = Script(reference, seed, MASK_TOKEN_ID)
     chosen: dict = {}  # position -> token: under lossless the hook sees each forward twice (verify_forward's inner call)

@@ -19,9 +19,9 @@
 float32), imports TREE's own ``dflash_generate`` / ``ddtree_generate`` and reports the mean acceptance on the
 held-out prompts of ``metadata.json``, checking that every output equals the target's greedy decoding.
 
-``--floor`` runs ddpatch's from-scratch reference decoders (``patcher/verify/reference_decode.py``) on the
+``--floor`` runs ddpatch's from-scratch reference decoders (``patcher/verify/judge/reference_decode.py``) on the
 held-out prompts and writes ``acceptance_floor.json`` beside the two folders: what ``ddpatch verify``'s
-``acceptance: METHOD`` checks compare a patched tree with (``patcher/verify/acceptance.py``).
+``acceptance: METHOD`` checks compare a patched tree with (``patcher/verify/judge/acceptance.py``).
 """
 
 from __future__ import annotations
@@ -370,7 +370,7 @@ def measure(args) -> dict:
     tok = AutoTokenizer.from_pretrained(out / "target", local_files_only=True)
     prompts = [tok(p, return_tensors="pt").input_ids for p in meta["held_out_prompts"]]
     sys.path.insert(0, str(ROOT))
-    from patcher.verify.models import greedy
+    from patcher.verify.models.load import greedy
 
     def call(name, budget, ids):
         kw = dict(model=draft, target=target, input_ids=ids, mask_token_id=draft.mask_token_id, max_new_tokens=args.new,

@@ -13,7 +13,7 @@ The pipeline:
     -> run_recipe -> [write the patched tree, run_verify] -> bisect per step -> render
 
 With ``--verify`` over more than one commit, every commit's verify is forked from one warm
-verifier (``patcher/verify/warm.py``): torch and transformers are imported once per run,
+verifier (``patcher/verify/process/warm.py``): torch and transformers are imported once per run,
 not once per commit, and each tree is still judged in a process of its own.
 
 Every commit of a short range is evaluated, and a step changed at a commit when its status
@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 from ..errors import EngineError
 from ..results import LAYOUT, NO_MATCH, CIResult, CommitEval, Finding
-from ..verify.runner import VerifyError, run_verify, warm_verifier
+from ..verify.process.runner import VerifyError, run_verify, warm_verifier
 from . import BISECT_THRESHOLD, HUNK_LINES
 from .git import CIError, Repo
 from .hunks import hunk

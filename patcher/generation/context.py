@@ -28,7 +28,7 @@ The points where this reaches into transformers are listed in docs/generate.md w
 were checked on.
 
 Forward hooks registered on the model see each cached forward twice (the call from ``generate()`` and
-``verify_forward``'s own call of the model, with the same tensors); ``patcher.verify.generate_mode``
+``verify_forward``'s own call of the model, with the same tensors); ``patcher.verify.judge.generate_mode``
 drops the repeat.
 
 ``lossless(model, record=False)`` is the control: the refusals are lifted (5.23's flag, 5.24's

@@ -41,7 +41,7 @@ def mtp_checkpoint(name: str, folder: Path, seed: int = 0):
     from transformers import AutoModelForCausalLM
     from transformers.modeling_layers import MtpModel
 
-    from .presets import build_target
+    from ..models.presets import build_target
 
     model = build_target(name, seed=seed)
     MtpModel.get_mtp_weights_regex(model)  # raises where the class has no MTP weights to load
@@ -66,7 +66,7 @@ def dflash_drafter(target, seed: int = 0, block_size: int = 4):
     import torch
     from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
-    from .presets import MASK_TOKEN_ID
+    from ..models.presets import MASK_TOKEN_ID
 
     tc = target.config.get_text_config()
     torch.manual_seed(seed + 5)
@@ -330,8 +330,8 @@ def _models(preset: str | None, target_dir: str | None, assistant_dir: str | Non
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .models import prepare_for_sampling
-    from .presets import MASK_TOKEN_ID, build_target
+    from ..models.load import prepare_for_sampling
+    from ..models.presets import MASK_TOKEN_ID, build_target
 
     if target_dir is not None:
         kwargs = {"dtype": getattr(torch, dtype or "bfloat16"), "local_files_only": True}

@@ -106,7 +106,7 @@ def routed_two_ways(target, prompt, continuation: list[int], stepped_rows: list 
     import torch
     from transformers import DynamicCache
 
-    from .context import with_cache
+    from ..models.context import with_cache
     from .oracle import plain_forward
 
     n, p = len(continuation), prompt.shape[1]

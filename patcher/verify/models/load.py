@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import presets
-from .events import emit
+from ..plumbing.events import emit
 
 DRAFT_WINDOW = 16
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import contextlib
 
 from . import acceptance as accept, calibration, drafter_oracle, neartie, oracle, routers
-from .binding import call_generate, unsupported_sampling
-from .events import emit, error_summary
-from .models import greedy, multi_token_consistent
+from ..subjects.binding import call_generate, unsupported_sampling
+from ..plumbing.events import emit, error_summary
+from ..models.load import greedy, multi_token_consistent
 from .rows import (MethodStats, drafter_calibration, drafter_check, first_partial, judge_drafter, lossless_check,  # noqa: F401
                    never_emitted, rollback_check)
-from .shims import environment_failure, retried_without
+from ..plumbing.shims import environment_failure, retried_without
 
 
 #: prompts the target-alone baseline runs on (its tokens/s is the speedup's denominator)

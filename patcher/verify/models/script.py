@@ -273,7 +273,7 @@ class ScriptedDraft:
         """Compute the followed reference up to position ``end`` (not past ``horizon``)."""
         import torch
 
-        from .models import greedy
+        from .load import greedy
 
         end = min(end, self.horizon)
         if len(self.reference) >= end:

@@ -61,7 +61,7 @@ def measure(target, draft, target_dir, draft_dir, prompts: list[list[int]], text
     import torch
     import transformers
 
-    from .models import greedy
+    from ..models.load import greedy
 
     methods = ["dflash"] + [f"ddtree_tb{b}" for b in budgets]
     pair = ScratchPair(target, draft, draft.mask_token_id, block_size)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import drafter_oracle, drafter_verdict
-from .events import error_summary
+from ..plumbing.events import error_summary
 
 
 @dataclass

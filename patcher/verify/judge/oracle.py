@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from . import routers
-from .script import RANK_PROBS, SAMPLING_SHARPEN, ScriptedDraft  # noqa: F401 (the scripted draft lives in script.py)
+from ..models.script import RANK_PROBS, SAMPLING_SHARPEN, ScriptedDraft  # noqa: F401 (the scripted draft lives in script.py)
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,7 @@ class Run:
 
 
 def pytest_env(tree: Path, blocked: tuple[str, ...], scratch: Path) -> dict:
-    from .runner import child_env
+    from ..plumbing.environ import child_env
 
     env = child_env()
     env.pop("PYTEST_ADDOPTS", None)

@@ -104,7 +104,8 @@ def preload(sibling) -> None:
             getattr(transformers, name)
         except (AttributeError, ImportError):
             pass
-    for name in ("events", "models", "binding", "checks", "oracle", "presets", "calibration", "neartie", "context"):
+    for name in ("plumbing.events", "models.load", "subjects.binding", "judge.checks", "judge.oracle", "models.presets",
+                 "judge.calibration", "judge.neartie", "models.context"):
         sibling(name)
 
 

@@ -332,7 +332,7 @@ def calibrate(target, draft, prompt, continuation, mask_id: int, block_size: int
     import torch
     from transformers import DynamicCache
 
-    from .context import with_cache
+    from ..models.context import with_cache
 
     roles = roles_of(draft)
     seq = prompt[0].tolist() + list(continuation)

@@ -30,7 +30,7 @@ PRIVATE_PACKAGE = "_ddpatch_verify"
 def child_package() -> str:
     """The package this folder's modules are imported from.
 
-    Imported as ``patcher.verify.worker`` (by the tests), that is ``patcher.verify``. Run as a
+    Imported as ``patcher.verify.process.worker`` (by the tests), that is ``patcher.verify``. Run as a
     script, as ``ddpatch verify`` runs it, the folder is loaded by path under a private name
     and nothing of the ``patcher`` package is imported: a patched tree must run with ddpatch
     absent (it ships only its ``_ddpatch_runtime`` copy), so an ``import patcher`` in the tree
@@ -38,12 +38,12 @@ def child_package() -> str:
     package. The folder's modules import only each other (relatively), the stdlib, torch and
     transformers.
     """
-    if __package__:
-        return __package__
+    if __package__:  # patcher.verify.process -> patcher.verify
+        return __package__.rpartition(".")[0]
     if PRIVATE_PACKAGE not in sys.modules:
         import importlib.util
 
-        here = Path(__file__).resolve().parent
+        here = Path(__file__).resolve().parent.parent  # patcher/verify: this file is in its process/ folder
         spec = importlib.util.spec_from_file_location(PRIVATE_PACKAGE, here / "__init__.py", submodule_search_locations=[str(here)])
         module = importlib.util.module_from_spec(spec)
         sys.modules[PRIVATE_PACKAGE] = module
@@ -74,8 +74,8 @@ def hide_ddpatch() -> NoDdpatch:
     # The script's folder (patcher/verify) and patcher/ leave the path: their module names (models,
     # checks, runtime, api...) must not shadow the tree's. The folder holding patcher/ may stay (it
     # can be site-packages): the blocker makes ``patcher`` itself unimportable from anywhere.
-    here = Path(__file__).resolve().parent
-    hidden = {here, here.parent}
+    here = Path(__file__).resolve().parent  # patcher/verify/process
+    hidden = {here, here.parent, here.parent.parent}
     sys.path[:] = [p for p in sys.path if p and Path(p).resolve() not in hidden]
     for name in [m for m in sys.modules if m == "patcher" or m.startswith("patcher.")]:
         del sys.modules[name]
@@ -104,7 +104,8 @@ def run(cfg: dict) -> dict:
     import torch
     import transformers
 
-    checks, models, events, decoders, methods = (sibling(n) for n in ("checks", "models", "events", "decoders", "methods"))
+    checks, models, events, decoders, methods = (sibling(n) for n in ("judge.checks", "models.load", "plumbing.events",
+                                                                          "subjects.decoders", "subjects.methods"))
 
     tree = Path(cfg["tree"]).resolve()
     env = {"transformers": transformers.__version__, "torch": torch.__version__, "python": sys.version.split()[0]}
@@ -137,9 +138,9 @@ def run(cfg: dict) -> dict:
             models.check_fit(target, draft)
         vocab = target.config.get_text_config(decoder=True).vocab_size
         prompts, stops = models.tokenized_prompts(cfg, cfg["prompts"], min(vocab, mask if mask is not None else vocab))
-        floor, missing = sibling("acceptance").find(cfg)  # a pair with a stored acceptance floor runs on its prompts
+        floor, missing = sibling("judge.acceptance").find(cfg)  # a pair with a stored acceptance floor runs on its prompts
         if floor is not None:
-            prompts = [torch.tensor([ids]) for ids in sibling("acceptance").prompts_of(floor, cfg["prompts"])]
+            prompts = [torch.tensor([ids]) for ids in sibling("judge.acceptance").prompts_of(floor, cfg["prompts"])]
         run_cfg = {**cfg, "stop_token_ids": stops, "acceptance_floor": floor, "acceptance_floor_missing": missing}
         events.emit("progress", done=0, total=1, label="loaded " + Path(cfg["target"]).name)
         result["models"].append(checks.verify_model(cfg.get("label") or Path(cfg["target"]).name, run_cfg, loaded, target, drafts,
@@ -160,10 +161,10 @@ def run(cfg: dict) -> dict:
     for pair in cfg.get("pairs") or ():
         pair_cfg = {**cfg, **pair}
         target, drafts, mask, notes = models.load_real(pair_cfg, loaded.drafters, loaded.primary)
-        floor, missing = sibling("acceptance").find(pair_cfg)
+        floor, missing = sibling("judge.acceptance").find(pair_cfg)
         prompts, stops = models.tokenized_prompts(pair_cfg, pair_cfg["prompts"], target.config.get_text_config(decoder=True).vocab_size)
         if floor is not None:
-            prompts = [torch.tensor([ids]) for ids in sibling("acceptance").prompts_of(floor, pair_cfg["prompts"])]
+            prompts = [torch.tensor([ids]) for ids in sibling("judge.acceptance").prompts_of(floor, pair_cfg["prompts"])]
         pair_cfg.update(stop_token_ids=stops, acceptance_floor=floor, acceptance_floor_missing=missing)
         events.emit("progress", done=0, total=1, label=f"loaded {pair['label']}")
         result["models"].append(checks.verify_model(pair["label"], pair_cfg, loaded, target, drafts, mask, False, prompts, notes=notes))
@@ -191,7 +192,7 @@ SAMPLED_PASS = {"temperature": 1.0, "prompts": 2, "max_new_tokens": 32, "samplin
 
 def answer(cfg: dict, blocker: NoDdpatch) -> None:
     """Judge one tree and print the final ``result`` event."""
-    events = sibling("events")
+    events = sibling("plumbing.events")
     try:
         result = run(cfg)
         leaked = ddpatch_modules()
@@ -212,7 +213,7 @@ def answer(cfg: dict, blocker: NoDdpatch) -> None:
 def main() -> int:
     if sys.argv[1:2] == ["--serve"]:  # a warm verifier (see warm.py): imports once, forks a child per tree
         blocker = hide_ddpatch()
-        warm = sibling("warm")
+        warm = sibling("process.warm")
         return warm.serve(sys.argv[2], answer, blocker, sibling, warm.worker_path())
     cfg = json.loads(sys.stdin.read())
     answer(cfg, hide_ddpatch())

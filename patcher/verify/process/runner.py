@@ -24,11 +24,14 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import VerifierCrash, VerifyError
-from ..results import Outcome
-from . import decoders, exitstatus, rows
-from .trained import FOLDER_PRESETS, folder_preset_options, pair_options
+from ...errors import VerifierCrash, VerifyError
+from ...results import Outcome
+from ..subjects import decoders
+from . import exitstatus
+from ..judge import rows
+from ..models.trained import FOLDER_PRESETS, folder_preset_options, pair_options
 from .warm import PARENT_ENV
+from ..plumbing.environ import child_env
 
 DEFAULTS = dict(
     presets=["tiny-qwen3_5"],
@@ -138,18 +141,6 @@ def merged(results: list) -> dict | None:
         for key, value in other.items():
             first.setdefault(key, value)
     return first
-
-
-def child_env() -> dict:
-    """The environment a verifier child runs in: offline, no bytecode written."""
-    env = dict(os.environ)
-    env.update(
-        PYTHONDONTWRITEBYTECODE="1",
-        HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"),
-        TRANSFORMERS_OFFLINE=env.get("TRANSFORMERS_OFFLINE", "1"),
-        TRANSFORMERS_VERBOSITY="error",
-    )
-    return env
 
 
 WORKER = Path(__file__).with_name("worker.py")
