@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from patcher.lossless import lossless  # noqa: E402
-from patcher.verify import generate_mode as gm  # noqa: E402
+from patcher.verify.judge import generate_mode as gm  # noqa: E402
 from patcher.verify.models.presets import MASK_TOKEN_ID, build_target  # noqa: E402
 
 

@@ -47,7 +47,7 @@ def load(tree: Path, pair: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from patcher.verify import decoders, methods
+    from patcher.verify.subjects import decoders, methods
     from patcher.verify.plumbing.events import error_summary
 
     loaded = methods.load(tree, decoders.plan(tree), [8], error_summary)

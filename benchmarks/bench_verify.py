@@ -54,7 +54,7 @@ def verify(tree: Path, preset: str) -> tuple[float, dict]:
 
 def warm_against_fresh(preset: str, repeats: int) -> None:
     sys.path.insert(0, str(ROOT))
-    from patcher.verify import runner
+    from patcher.verify.process import runner
 
     def timed(tree: Path) -> tuple[float, dict]:
         start = time.perf_counter()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from patcher.verify import generate_mode
+from patcher.verify.judge import generate_mode
 from patcher.verify.models.presets import MASK_TOKEN_ID, build_target
 
 #: stateful presets: Gated DeltaNet, hybrid MoE, Mamba2 hybrids, short conv, Kimi Delta Attention

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from patcher.verify import acceptance, reference_decode as rd
+from patcher.verify.judge import acceptance, reference_decode as rd
 
 
 def _brute_force_best(logprobs, budget):

@@ -21,7 +21,8 @@ from runtime_support import VOCAB_DRAW
 
 from patcher import runtime as rt
 from patcher.runtime import discovery
-from patcher.verify import calibration, context, models
+from patcher.verify.judge import calibration
+from patcher.verify.models import context, load as models
 from patcher.verify.models.presets import build_target
 
 TAKES_CACHE = "cache" in inspect.signature(Qwen3_5ForCausalLM.forward).parameters  # transformers 5.24+

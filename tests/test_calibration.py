@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from patcher.verify import calibration, checks, models, neartie, oracle
+from patcher.verify.judge import calibration, checks, neartie, oracle
+from patcher.verify.models import load as models
 from patcher.verify.models.presets import build_target
 
 ROOT = Path(__file__).resolve().parent.parent

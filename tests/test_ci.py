@@ -568,7 +568,7 @@ def test_print_workflow():
 # ----------------------------------------------------------------------------- --verify, once, on real decoding code
 @pytest.mark.slow
 def test_verify_on_a_patched_commit(tmp_path, monkeypatch):
-    from patcher.verify import runner
+    from patcher.verify.process import runner
 
     files = {p.relative_to(ROOT / "vendored" / "dflash").as_posix(): p.read_text()
              for p in sorted((ROOT / "vendored" / "dflash").rglob("*")) if p.is_file() and "__pycache__" not in p.parts}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from patcher.verify import decoders
+from patcher.verify.subjects import decoders
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -125,12 +125,51 @@ def test_the_files_exclude_left_out_are_named_in_the_coverage_row(tmp_path):
     assert decoders.plan(root)["excluded"] == []
 
 
-def test_more_decoders_than_the_limit_are_named_with_the_way_to_pick(tmp_path):
-    files = {f"m{i}.py": LOOP.format(name=f"gen{i}", params="target, input_ids, max_new_tokens").replace("break", f"x = {i}")
-             for i in range(decoders.MAX_DECODERS + 2)}
+def test_no_count_leaves_a_decoder_out_and_the_patched_files_come_first(tmp_path):
+    files = {f"m{i:02d}.py": LOOP.format(name=f"gen{i}", params="target, input_ids, max_new_tokens").replace("break", f"x = {i}")
+             for i in range(26)}
+    for i in (20, 3):  # two files ddpatch patched: their decoders lead, in scan order
+        files[f"m{i:02d}.py"] = "import _ddpatch_runtime\n" + files[f"m{i:02d}.py"]
     plan = decoders.plan(write(tmp_path, files))
-    assert len(plan["decoders"]) == decoders.MAX_DECODERS and len(plan["left_out"]) == 2
-    assert all("--entry FILE:FUNCTION" in d["reason"] for d in plan["left_out"])
+    assert len(plan["decoders"]) == 26 and plan["left_out"] == []
+    assert [d["qualname"] for d in plan["decoders"][:3]] == ["gen3", "gen20", "gen0"]
+
+
+def test_the_runner_spreads_decoders_over_cores_one_model_per_child(tmp_path):
+    from patcher.verify.process.runner import split
+
+    plan = {"decoders": [{"file": f"m{i}.py", "qualname": f"gen{i}"} for i in range(5)]}
+    cfg = {"presets": ["tiny-qwen3_5"], "pairs": [{"label": "trained-qwen3_5"}], "plan": plan}
+    assert len(split(cfg, cores=1)) == 1
+    two = split(cfg, cores=2)  # a model each, every decoder in both
+    assert [(c["presets"], c["pairs"]) for c in two] == [(["tiny-qwen3_5"], None), ([], [{"label": "trained-qwen3_5"}])]
+    assert all("run_only" not in c for c in two)
+    eight = split(cfg, cores=8)  # a model each, the decoders in 4 chunks per model: each decoder once per model
+    assert len(eight) == 8
+    for group in (eight[:4], eight[4:]):
+        runs = sorted(tuple(k) for c in group for k in c["run_only"])
+        assert runs == sorted((d["file"], d["qualname"]) for d in plan["decoders"])
+    assert len(split({**cfg, "target": "/models/x"}, cores=8)) == 1  # a real target: one child, one copy of its weights
+
+
+def test_merged_children_keep_each_model_once_and_a_chunks_failure(tmp_path):
+    from patcher.verify.process.runner import merged
+
+    tree = [{"check": "loads", "passed": True, "evidence": "x"}]
+    a = {"checks": tree, "models": [{"model": "m", "checks": [{"check": "noise floor", "passed": True},
+                                                              {"check": "warms up", "passed": True},
+                                                              {"check": "lossless: a", "passed": True, "decoder": {"function": "a"}}],
+                                     "methods": [{"name": "target"}, {"name": "a"}], "partial_acceptances": 2}]}
+    b = {"checks": tree, "models": [{"model": "m", "checks": [{"check": "noise floor", "passed": True},
+                                                              {"check": "warms up", "passed": False},
+                                                              {"check": "lossless: b", "passed": False, "decoder": {"function": "b"}}],
+                                     "methods": [{"name": "target"}, {"name": "b"}], "partial_acceptances": 1}]}
+    out = merged([a, b])
+    assert out["checks"] == tree and len(out["models"]) == 1
+    m = out["models"][0]
+    assert [(c["check"], c["passed"]) for c in m["checks"]] == [("noise floor", True), ("warms up", False), ("lossless: a", True),
+                                                                ("lossless: b", False)]
+    assert [x["name"] for x in m["methods"]] == ["target", "a", "b"] and m["partial_acceptances"] == 3
 
 
 def test_entry_picks_decoders_and_names_a_bad_one(tmp_path):

@@ -98,7 +98,7 @@ def test_a_layer_whose_state_several_modules_update_is_one_clear_error():
     # Qwen4-Exp with per-layer n-gram embeddings: the GDN mixer and the PLE modules share layer 0's state slots
     from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
-    from patcher.verify import presets
+    from patcher.verify.models import presets
 
     fields = dict(presets._text_fields(["linear_attention", "indexed_attention"] * 2), eos_token_id=62)
     model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(

@@ -19,7 +19,7 @@ from drift.variants import BY_NAME, VENDORED
 from patcher import api
 from patcher.cli import main
 from patcher.engine.pipeline import _matches, exclude_globs
-from patcher.verify import decoders
+from patcher.verify.subjects import decoders
 
 RECIPE = ["--recipe", "qwen3_6-gdn", "-j", "1"]
 

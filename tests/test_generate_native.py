@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from patcher.verify import generate_mode
+from patcher.verify.judge import generate_mode
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "repro_native_assisted_generate.py"

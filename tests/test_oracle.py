@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from patcher.verify import oracle
+from patcher.verify.judge import oracle
 from patcher.verify.judge.oracle import LogitsRecorder, chi_square_test, committed_rows, judge_logits, reference_logits
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from patcher.verify import calibration, models, oracle, routers
+from patcher.verify.judge import calibration, oracle, routers
+from patcher.verify.models import load as models
 from patcher.verify.models.presets import build_target
 
 GATE = "model.layers.1.mlp.gate"
@@ -180,7 +181,7 @@ def test_a_divergence_after_a_followed_routing_flip_is_judged_on_the_decodes_exp
     """Greedy (other experts from new token 1 on) emitted 7 at new token 1, the decode 8, which is the argmax of the
     reference that follows the decode's experts: a flip at position 4 (decides new token 1) or earlier explains it; a
     flip after it, or none, does not (8 lies 1.0 below 7 in those logits: a loss)."""
-    from patcher.verify import checks, neartie
+    from patcher.verify.judge import checks, neartie
 
     reference, new = [3, 7, 9, 4], [3, 8, 9, 4]
     forced = _forced(new)

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from patcher import api
-from patcher.verify import acceptance, trained
+from patcher.verify.judge import acceptance
+from patcher.verify.models import trained
 from patcher.verify.models.presets import PRESETS
 from test_drafter_oracle import BUGS, CHAIN, TREE_, edit
 
@@ -68,7 +69,7 @@ def test_the_folders_are_checkpoint_shaped_package_data_under_12_mb():
 
 
 def test_the_folders_load_through_the_target_draft_path():
-    from patcher.verify import models
+    from patcher.verify.models import load as models
 
     config = json.loads((DRAFT / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 8
@@ -159,7 +160,7 @@ def test_the_floor_is_reproduced_by_the_reference_decoders_and_equals_the_patche
     import torch
     from transformers import AutoModelForCausalLM
 
-    from patcher.verify import reference_decode as rd
+    from patcher.verify.judge import reference_decode as rd
     from patcher.verify.models.load import greedy
 
     data = json.loads(FLOOR.read_text())
@@ -290,7 +291,7 @@ def test_the_training_script_smoke_run(tmp_path):
                            "--corpus-mb", "0.3", "--threads", "1", "--out", str(out)],
                           capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    from patcher.verify import models
+    from patcher.verify.models import load as models
 
     meta = json.loads((out / "metadata.json").read_text())
     assert meta["target"]["steps"] == 5 and meta["draft"]["steps"] == 5 and len(meta["held_out_prompts"]) == 8

@@ -20,7 +20,7 @@ import pytest
 from drift.variants import VENDORED
 
 from patcher import api
-from patcher.verify import upstream_tests as ut
+from patcher.verify.subjects import upstream_tests as ut
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -232,7 +232,7 @@ def test_the_steps_of_a_file_are_checks_sites_narrowed_to_what_its_patched_copy_
 def test_verify_adds_the_row_after_the_childs_result_and_checks_its_input_before(tmp_path, monkeypatch):
     from patcher.report.json_report import verify_payload
     from patcher.results import Outcome
-    from patcher.verify import runner
+    from patcher.verify.process import runner
 
     calls = []
     child = Outcome({"checks": [{"check": "loads", "passed": True}]}, 1.0)

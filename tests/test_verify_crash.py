@@ -22,7 +22,7 @@ import pytest
 
 from patcher import api
 from patcher.errors import VerifierCrash, VerifyError
-from patcher.verify import exitstatus, runner
+from patcher.verify.process import exitstatus, runner
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -158,7 +158,7 @@ def test_a_killed_ddpatch_takes_its_child_with_it(tmp_path):
     or it runs on, holding the target's memory, after the command that started it is gone."""
     worker, pid_file = tmp_path / "fake_worker.py", tmp_path / "worker.pid"
     worker.write_text(FAKE_WORKER)
-    script = ("import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); from patcher.verify import runner; "
+    script = ("import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); from patcher.verify.process import runner; "
               "runner.WORKER = Path(sys.argv[2]); runner.run_verify(Path(sys.argv[3]), timeout=120)")
     env = {k: v for k, v in os.environ.items() if k != runner.WARM_ENV}
     env.update(DDPATCH_TEST_DEATH="sleep", DDPATCH_TEST_PID=str(pid_file))

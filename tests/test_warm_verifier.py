@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from patcher import api
-from patcher.verify import runner
+from patcher.verify.process import runner
 
 ROOT = Path(__file__).resolve().parent.parent
 #: small, and still enough for the code-shape-only control to fail on tiny-qwen3_5
@@ -134,7 +134,7 @@ def test_the_answered_child_already_leads_its_group(tmp_path, monkeypatch):
     import socket
     from types import SimpleNamespace
 
-    from patcher.verify import warm
+    from patcher.verify.process import warm
 
     server_pid = os.getpid()
 
@@ -214,7 +214,7 @@ def _cmdline(pid: str) -> str:
 def test_a_refusal_names_another_checkout_another_python_or_an_import_time_variable():
     """Only a request from this ddpatch, this Python and the same import-time environment is forked; any
     other gets the reason it goes to a fresh process (the variables that differ by name)."""
-    from patcher.verify import warm
+    from patcher.verify.process import warm
 
     started = warm.import_time_env({"OMP_NUM_THREADS": "1", "HOME": "/a"})
     same = {"worker": "/w/worker.py", "executable": sys.executable, "env": {"OMP_NUM_THREADS": "1", "HOME": "/b"}}
@@ -232,7 +232,7 @@ def test_a_refusal_names_another_checkout_another_python_or_an_import_time_varia
 HOLDER = r"""
 import json, os, socket, sys, threading, time
 from pathlib import Path
-from patcher.verify import runner
+from patcher.verify.process import runner
 
 def say(**kw):
     print(json.dumps(kw), flush=True)
@@ -340,7 +340,7 @@ def test_the_server_exits_when_its_pipe_closes_and_when_idle(tmp_path):
     with ``DDPATCH_WARM_IDLE`` it also ends on its own after that many seconds without a request."""
     import socket
 
-    from patcher.verify import warm
+    from patcher.verify.process import warm
 
     servers = {}
     for name, idle in (("pipe", "0"), ("idle", "1")):

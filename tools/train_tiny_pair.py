@@ -405,7 +405,7 @@ def write_floor(args) -> dict:
 
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(ROOT))
-    from patcher.verify import acceptance
+    from patcher.verify.judge import acceptance
 
     out = Path(args.out)
     t0, c0 = time.time(), time.process_time()

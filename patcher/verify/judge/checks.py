@@ -55,6 +55,23 @@ def _decoder_row(check: dict, method) -> dict:
                                  "drafter": method.drafter}}
 
 
+def warm_rows(methods: list, failed: dict) -> list[dict]:
+    """``warms up`` for the model (its first failure's error, hint and what it does once shimmed, every failure named),
+    and a failing ``warms up: METHOD`` row of each method that did not run: the others are judged on."""
+    if not failed:
+        return [{"check": "warms up", "passed": True, "evidence": "every method ran once"}]
+
+    def text(method, err):
+        return f"{method.name} ({method.where}): {err['error']}" + (f"; {err['then']['text']}" if err.get("then") else "")
+
+    (m0, e0), *_ = failed.values()
+    others = [m.name for m in methods if m.name not in failed]
+    rows = [{"check": "warms up", "passed": False, **e0, "evidence": "; ".join(text(m, e) for m, e in failed.values())
+             + (f"; {len(others)} other method(s) ran and are judged below" if others else "")}]
+    rows += [_decoder_row({"check": f"warms up: {m.name}", "passed": False, **e, "evidence": text(m, e)}, m) for m, e in failed.values()]
+    return rows
+
+
 def verify_model(label: str, cfg: dict, loaded, target, drafts: dict, mask_token_id, is_preset: bool, prompts,
                  scripted: bool = False, choose_mask: bool = False, notes: dict | None = None) -> dict:
     import torch
@@ -161,24 +178,22 @@ def verify_model(label: str, cfg: dict, loaded, target, drafts: dict, mask_token
 
     # (b) warm-up: every method once; a failure that only the environment causes (CUDA timing, a missing optional
     # package) is shimmed and the method retried, so that the report names the first real failure too
-    warm_ok, warm_error, warm_name = True, None, None
+    # every method once; one that fails (its own failing rows) does not stop the others from being judged
     short = prompts[0][:, :4]
     short_reference = greedy(target, short, max_new, stop_ids or ())  # once for every method
+    failed_warm = {}
     for method in methods:
-        warm_name = method.name
         try:
             run(method, short, short_reference, seed=-1, logits=False)
         except Exception as exc:  # the patched code failed to run at all
-            warm_ok, warm_error = False, error_summary(exc)
+            err = error_summary(exc)
             env = environment_failure(exc)
             if env is not None:
-                warm_error["then"] = retried_without(env, lambda: run(method, short, short_reference, seed=-1, logits=False))
-            break
-    evidence = "every method ran once" if warm_ok else f"{warm_name} ({next(m for m in methods if m.name == warm_name).where}): {warm_error['error']}"
-    if warm_error and warm_error.get("then"):
-        evidence += f"; {warm_error['then']['text']}"
-    checks.append({"check": "warms up", "passed": warm_ok, **(warm_error or {}), "evidence": evidence})
-    if not warm_ok:
+                err["then"] = retried_without(env, lambda: run(method, short, short_reference, seed=-1, logits=False))
+            failed_warm[method.name] = (method, err)
+    checks += warm_rows(methods, failed_warm)
+    methods = [m for m in methods if m.name not in failed_warm]
+    if not methods:
         oracle.forget_plain()
         return {"model": label, "checks": checks, "methods": [], "calibration": cal.as_dict(), "logit_tolerance": tolerance}
 

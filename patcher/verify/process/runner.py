@@ -117,16 +117,32 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
     return Outcome(result, seconds, log)
 
 
-def split(cfg: dict) -> list[dict]:
-    """The children one verify runs: the random presets and the model pairs (the trained pair) in two processes side by
-    side where the machine has a second core (each is one thread: tiny models gain nothing from more), else one."""
-    if not cfg.get("pairs") or not cfg.get("presets") or cfg.get("target") or (os.cpu_count() or 1) < 2:
+#: children one verify runs at most side by side (each loads its own model)
+MAX_CHILDREN = 8
+
+
+def split(cfg: dict, cores: int | None = None) -> list[dict]:
+    """The children one verify runs side by side, one loaded model each: the random presets and the model pairs (the
+    trained pair) apart, and where cores are left over, each one's decoders in chunks (every child imports the whole
+    tree, so the tree's own rows agree; it runs its chunk's methods: ``run_only``). A ``--target`` run is one child:
+    its model may fill a GPU. One core: one child."""
+    cores = min(cores or os.cpu_count() or 1, MAX_CHILDREN)
+    if cfg.get("target") or cores < 2:
         return [cfg]
-    return [{**cfg, "pairs": None}, {**cfg, "presets": []}]
+    groups = [g for g in ({**cfg, "pairs": None} if cfg.get("presets") else None,
+                          {**cfg, "presets": []} if cfg.get("pairs") else None) if g is not None]
+    if not groups:
+        return [cfg]
+    keys = [[d["file"], d["qualname"]] for d in cfg["plan"]["decoders"]]
+    chunks = max(1, min(len(keys), cores // len(groups)))
+    if chunks == 1:
+        return groups
+    return [{**g, "run_only": keys[i::chunks]} for g in groups for i in range(chunks)]
 
 
 def merged(results: list) -> dict | None:
-    """One result from the children's: the first one's tree-wide checks (the same tree, loaded alike), every model."""
+    """One result from the children's: the tree's own rows once (every child imported the whole tree), each model
+    once, its rows and methods gathered from the children that ran a chunk of its decoders."""
     if any(r is None for r in results):
         return None
     for key in ("crash", "fatal"):
@@ -134,13 +150,37 @@ def merged(results: list) -> dict | None:
         if bad is not None:
             return bad
     first = dict(results[0])
+    first["checks"] = _unique(c for r in results for c in r.get("checks", []))
+    models: dict[str, dict] = {}
+    for r in results:
+        for m in r.get("models", []):
+            if m["model"] not in models:
+                models[m["model"]] = dict(m)
+                continue
+            into = models[m["model"]]
+            into["checks"] = _unique(into.get("checks", []) + m.get("checks", []))
+            names = {x["name"] for x in into.get("methods", [])}
+            into["methods"] = into.get("methods", []) + [x for x in m.get("methods", []) if x["name"] not in names]
+            into["partial_acceptances"] = into.get("partial_acceptances", 0) + m.get("partial_acceptances", 0)
+    first["models"] = list(models.values())
     for other in results[1:]:
-        names = {c["check"] for c in first.get("checks", [])}
-        first["checks"] = first.get("checks", []) + [c for c in other.get("checks", []) if c["check"] not in names or not c["passed"]]
-        first["models"] = first.get("models", []) + other.get("models", [])
         for key, value in other.items():
             first.setdefault(key, value)
     return first
+
+
+def _unique(rows) -> list[dict]:
+    """Rows in order, each check once: a model's own rows (the noise floor, the reference's soundness) come from every
+    child that loaded it; a decoder's rows from the child that ran it."""
+    out, at = [], {}
+    for row in rows:
+        key = (row["check"], json.dumps(row.get("decoder"), sort_keys=True))
+        if key not in at:
+            at[key] = len(out)
+            out.append(row)
+        elif out[at[key]]["passed"] and not row["passed"]:  # a summary row (warms up): a chunk's failure stands
+            out[at[key]] = row
+    return out
 
 
 WORKER = Path(__file__).with_name("worker.py")

@@ -37,8 +37,6 @@ SKIP_PARTS = ("tests", "test", "build", "__pycache__", "_ddpatch_runtime", "site
 #: what upstream calls its decoders: the first chain and the first tree decoder with these names are
 #: ``dflash`` and ``ddtree`` in the report, as they always were
 CANONICAL = {"dflash": ("dflash_generate", "_dflash_generate"), "ddtree": ("ddtree_generate",)}
-#: decoders verified by default; the rest are named, with the reason
-MAX_DECODERS = 8
 LOOKED_FOR = ("looked for functions that run a model with a cache (past_key_values= or cache=) round after round in a loop, "
               "as dflash_generate and ddtree_generate do, and for the functions that call them")
 
@@ -328,8 +326,9 @@ def pick(tree: Path, found: Inventory, entries: list[str]) -> list[Decoder]:
 
 
 def plan(tree: Path, entries: list[str] | None = None, exclude: tuple[str, ...] = ()) -> dict:
-    """What the child verifies: the decoders (picked, or all found up to ``MAX_DECODERS`` distinct ones), the ones
-    left out with their reason, and the drafter classes. Plain data (it crosses to the child as JSON)."""
+    """What the child verifies: the decoders (picked, or every distinct one found, the ones in files ddpatch patched
+    first), the ones left out with their reason, and the drafter classes. Plain data (it crosses to the child as JSON).
+    No count leaves a decoder out: the runner spreads them over parallel children."""
     found = inventory(tree, exclude)
     if entries:
         chosen = pick(tree, found, entries)
@@ -342,10 +341,9 @@ def plan(tree: Path, entries: list[str] | None = None, exclude: tuple[str, ...] 
         for d in found.decoders:
             if d.same_as:
                 d.verified, d.reason = False, f"the same code as {d.same_as}, verified in its place"
-            elif len(chosen) >= MAX_DECODERS:
-                d.verified, d.reason = False, f"more than {MAX_DECODERS} decoders: pick the ones to verify with --entry FILE:FUNCTION"
             else:
                 chosen.append(d)
+        chosen.sort(key=lambda d: not d.patched)  # stable: the patched files' decoders first, each group in scan order
     others = [d for d in found.decoders if d not in chosen]
     return {"decoders": [d.as_dict() for d in chosen], "left_out": [d.as_dict() for d in others],
             "drafters": found.drafters, "unparsed": found.unparsed, "excluded": found.excluded}

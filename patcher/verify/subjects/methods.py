@@ -127,6 +127,26 @@ def load(tree: Path, plan: dict, budgets: list[int], error_summary) -> Loaded:
     return Loaded(methods, drafters, primary, decoders, problems, notes)
 
 
+def load_rows(plan: dict, loaded: Loaded) -> list[dict]:
+    """``loads`` for the tree (which decoders and drafter classes imported), and for each decoder that did not import
+    a failing ``loads: LABEL`` row of its own, with the error and its hint: the decoders that did are still run."""
+    failed = {(d["file"], d["qualname"]): err for d, err in loaded.problems}
+    ok = [f"{d['qualname']} from {d['module']}" for d in plan["decoders"] if (d["file"], d["qualname"]) not in failed]
+    ok += [f"{n} from {c.__module__}" for n, c in loaded.drafters.items()]
+    if not failed:
+        return [{"check": "loads", "passed": True, "evidence": ", ".join(ok)}]
+    (d0, err0), *_ = loaded.problems
+    rows = [{"check": "loads", "passed": False, **err0, "evidence": (
+        f"{len(failed)} of {len(plan['decoders'])} decoder(s) did not import: "
+        + "; ".join(f"{d['file']}:{d['qualname']}: {err['error']}" for d, err in loaded.problems)
+        + (f"; the others are judged below ({', '.join(ok)})" if ok else ""))}]
+    for d, err in loaded.problems:
+        rows.append({"check": f"loads: {d.get('label') or d['qualname']}", "passed": False, **err,
+                     "evidence": f"{d['file']}:{d['qualname']}: {err['error']}",
+                     "decoder": {"file": d["file"], "function": d["qualname"], "kind": None, "drafter": None}})
+    return rows
+
+
 def coverage_check(decoders: list[dict], unparsed: list[str], notes: list[str], excluded: list[str] | None = None) -> dict:
     """``decoders: N found, M verified``: a decoder left out of a file that ddpatch patched is a finding, unless the
     user left it out (``--entry``) or it is the same code as one verified (``same_as``)."""
