@@ -159,17 +159,17 @@ def test_merged_children_keep_each_model_once_and_a_chunks_failure(tmp_path):
     a = {"checks": tree, "models": [{"model": "m", "checks": [{"check": "noise floor", "passed": True},
                                                               {"check": "warms up", "passed": True},
                                                               {"check": "lossless: a", "passed": True, "decoder": {"function": "a"}}],
-                                     "methods": [{"name": "target"}, {"name": "a"}], "partial_acceptances": 2}]}
+                                     "methods": [{"method": "a"}], "partial_acceptances": 2}]}
     b = {"checks": tree, "models": [{"model": "m", "checks": [{"check": "noise floor", "passed": True},
                                                               {"check": "warms up", "passed": False},
                                                               {"check": "lossless: b", "passed": False, "decoder": {"function": "b"}}],
-                                     "methods": [{"name": "target"}, {"name": "b"}], "partial_acceptances": 1}]}
+                                     "methods": [{"method": "a"}, {"method": "b"}], "partial_acceptances": 1}]}
     out = merged([a, b])
     assert out["checks"] == tree and len(out["models"]) == 1
     m = out["models"][0]
     assert [(c["check"], c["passed"]) for c in m["checks"]] == [("noise floor", True), ("warms up", False), ("lossless: a", True),
                                                                 ("lossless: b", False)]
-    assert [x["name"] for x in m["methods"]] == ["target", "a", "b"] and m["partial_acceptances"] == 3
+    assert [x["method"] for x in m["methods"]] == ["a", "b"] and m["partial_acceptances"] == 3
 
 
 def test_entry_picks_decoders_and_names_a_bad_one(tmp_path):

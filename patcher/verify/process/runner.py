@@ -159,8 +159,8 @@ def merged(results: list) -> dict | None:
                 continue
             into = models[m["model"]]
             into["checks"] = _unique(into.get("checks", []) + m.get("checks", []))
-            names = {x["name"] for x in into.get("methods", [])}
-            into["methods"] = into.get("methods", []) + [x for x in m.get("methods", []) if x["name"] not in names]
+            names = {x["method"] for x in into.get("methods", [])}
+            into["methods"] = into.get("methods", []) + [x for x in m.get("methods", []) if x["method"] not in names]
             into["partial_acceptances"] = into.get("partial_acceptances", 0) + m.get("partial_acceptances", 0)
     first["models"] = list(models.values())
     for other in results[1:]:
