@@ -6,6 +6,7 @@ Exit codes: ``patcher.commands.base`` and docs/exit-codes.md, written down once 
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -124,7 +125,8 @@ def apply(path, out, force, allow_partial, show_diff, **options) -> None:
                    "decodes lossy on a hybrid model (a control, not a fix)", err=True)
     if result.written:
         what = "show that the control fails" if result.lossy else "prove the patched tree decodes losslessly"
-        _next_step(f"ddpatch verify {result.out or result.report.root}    # {what}", fmt)
+        narrowing = "".join(f" --exclude {shlex.quote(p)}" for p in result.report.exclude)  # verify keeps it (MANIFEST.json too)
+        _next_step(f"ddpatch verify {shlex.quote(str(result.out or result.report.root))}{narrowing}    # {what}", fmt)
     sys.exit(code)
 
 

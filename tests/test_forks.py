@@ -164,6 +164,36 @@ def test_an_analysis_script_is_refused_with_what_was_found_and_the_exact_exclude
     assert payload["exclude"] == ["analysis"] and payload["excluded"] == [{"path": "analysis/target_tok.py", "by": "--exclude analysis"}]
 
 
+def test_apply_keeps_the_users_exclude_for_verify(tmp_path):
+    """apply --exclude: its next: line carries the --exclude, and verify of the tree it wrote reads it from the runtime
+    copy's manifest, so the analysis folder's decoders are not verified (issue 42, item 2)."""
+    from patcher.verify.process import runner
+
+    src = variant("analysis-folder", tmp_path)
+    (src / "analysis" / "probe.py").write_text(
+        "from transformers import DynamicCache\n\n\ndef probe_generate(target, input_ids, max_new_tokens):\n"
+        "    cache = DynamicCache()\n    for _ in range(max_new_tokens):\n"
+        "        input_ids = target(input_ids, past_key_values=cache).logits[:, -1:].argmax(-1)\n    return input_ids\n")
+    assert any(d.file.startswith("analysis/") for d in decoders.inventory(src).decoders), "the fixture holds such a decoder"
+    out = tmp_path / "out"
+    applied = run("apply", src, *RECIPE, "--exclude", "analysis", "--out", out)
+    assert applied.exit_code == 0, applied.stderr
+    assert f"next: ddpatch verify {out} --exclude analysis" in applied.stdout
+    manifests = sorted(out.glob("**/_ddpatch_runtime/MANIFEST.json"))
+    assert manifests and all(json.loads(m.read_text())["apply"] == {"exclude": ["analysis"]} for m in manifests)
+    assert runner.recorded_exclude(out) == ["analysis"]
+    options = runner.narrowed(out, {})
+    assert options["exclude"] == ["analysis"] and "apply that wrote this tree" in options["exclude_source"]
+    plan = decoders.plan(out, exclude=tuple(options["exclude"]))
+    assert not [d for d in plan["decoders"] + plan["left_out"] if d["file"].startswith("analysis/")] and plan["excluded"]
+    assert runner.narrowed(out, {"exclude": ["x"]}) == {"exclude": ["x"]}, "the user's own --exclude wins"
+    again = json.loads(run("apply", out, *RECIPE, "--exclude", "analysis", "--format", "json").stdout)
+    assert again["written"] == [], "the same apply again writes nothing (the manifest too)"
+    whole = tmp_path / "whole"
+    run("apply", src, *RECIPE, "--out", whole, "--allow-partial")  # no --exclude: nothing recorded, the manifest as before
+    assert all("apply" not in json.loads(m.read_text()) for m in whole.glob("**/_ddpatch_runtime/MANIFEST.json"))
+
+
 def test_exclude_in_the_config_file_and_a_tree_left_empty(tmp_path):
     src = variant("analysis-folder", tmp_path)
     (src / "pyproject.toml").write_text('[tool.ddpatch]\nexclude = ["analysis/"]\n')

@@ -134,9 +134,10 @@ def write_provenance(text: str, steps: set[str], recipe: Recipe) -> str:
 
 
 # ----------------------------------------------------------------------------- the runtime helper
-def runtime_sources() -> dict[str, str]:
+def runtime_sources(narrowing: dict | None = None) -> dict[str, str]:
     """The files of the ``_ddpatch_runtime/`` folder: every module of ``patcher/runtime/`` with a
-    header, and ``MANIFEST.json`` (the ddpatch version and each file's sha256)."""
+    header, and ``MANIFEST.json`` (the ddpatch version and each file's sha256; and ``apply``, the
+    narrowing the apply was given, ``{"exclude": [...]}``, which ``ddpatch verify`` of the tree keeps)."""
     package = Path(__file__).resolve().parent.parent / "runtime"
     out = {}
     for path in sorted(package.glob("*.py")):
@@ -150,6 +151,8 @@ def runtime_sources() -> dict[str, str]:
         "package": RUNTIME_PACKAGE,
         "files": {name: hashlib.sha256(text.encode("utf-8")).hexdigest() for name, text in out.items()},
     }
+    if narrowing:
+        manifest["apply"] = narrowing
     out[RUNTIME_MANIFEST] = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
     return out
 
@@ -170,8 +173,9 @@ def is_removal(result: FileResult) -> bool:
     return result.patched == "" and runtime_owner(result.path) is not None
 
 
-def add_runtime_files(root: Path, files: list[FileResult]) -> list[FileResult]:
-    """The runtime folder next to every patched file that calls it, as one result per file.
+def add_runtime_files(root: Path, files: list[FileResult], narrowing: dict | None = None) -> list[FileResult]:
+    """The runtime folder next to every patched file that calls it, as one result per file (``narrowing``: what the
+    run left out, recorded in ``MANIFEST.json``).
 
     A stale copy is replaced as a whole: files the new copy lacks (and an old single-file
     ``_ddpatch_runtime.py``) come back as removals (``patched == ""``), which ``install_runtime``
@@ -180,7 +184,7 @@ def add_runtime_files(root: Path, files: list[FileResult]) -> list[FileResult]:
     wanted = sorted({PurePosixPath(f.path).parent for f in files if f.needs_runtime})
     if not wanted:
         return []
-    sources = runtime_sources()
+    sources = runtime_sources(narrowing)
     out = []
     for folder in wanted:
         package = folder / RUNTIME_PACKAGE
@@ -202,8 +206,11 @@ def install_runtime(dest_root: Path, results: list[FileResult]) -> list[str]:
     temporary folder next to it, then renamed into place (an older copy, folder or single file,
     is moved aside first and deleted after). Returns the paths of ``results``."""
     owners = sorted({runtime_owner(f.path) for f in results} - {None})
-    sources = runtime_sources()
     for owner in owners:
+        sources = runtime_sources()
+        manifest = next((f for f in results if f.path == (PurePosixPath(owner) / RUNTIME_PACKAGE / RUNTIME_MANIFEST).as_posix()), None)
+        if manifest is not None:  # the manifest this run computed (it records the run's narrowing)
+            sources[RUNTIME_MANIFEST] = manifest.patched if manifest.patched is not None else manifest.original
         folder = dest_root / owner
         folder.mkdir(parents=True, exist_ok=True)
         target = folder / RUNTIME_PACKAGE

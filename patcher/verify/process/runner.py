@@ -73,10 +73,12 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
                           "always scripted already, from the target's greedy continuation (true token at rank 0, 1 or nowhere)")
     if options.get("target") and not options.get("draft") and not options.get("scripted_draft"):
         raise VerifyError("--target needs --draft, or --scripted-draft to build a scripted draft from the tree's DFlashDraftModel")
+    options = narrowed(tree, options)
     try:
         plan = decoders.plan(tree, options.get("entries"), tuple(options.get("exclude") or ()))
     except ValueError as exc:
         raise VerifyError(str(exc)) from None
+    plan["exclude_source"] = options.get("exclude_source")
     if not plan["decoders"]:
         raise VerifyError(f"no DDTree/DFlash decoder found in {tree} ({decoders.LOOKED_FOR})")
     if not options.get("target") and not options.get("presets"):  # the default: a random preset and the trained pair
@@ -119,6 +121,38 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
 
 #: children one verify runs at most side by side (each loads its own model)
 MAX_CHILDREN = 8
+
+
+#: where ``ddpatch apply`` records the ``--exclude`` it was given (engine.files.runtime_sources)
+RECORD = "_ddpatch_runtime/MANIFEST.json"
+
+
+def recorded_exclude(tree: Path) -> list[str]:
+    """The ``--exclude`` patterns the apply that wrote ``tree`` was given (every runtime copy's manifest records
+    them), so that ``ddpatch verify TREE`` judges what apply patched, as the user narrowed it."""
+    patterns: list[str] = []
+    for manifest in sorted(tree.glob("**/" + RECORD)):
+        if any(part.startswith(".") for part in manifest.relative_to(tree).parts):
+            continue
+        try:
+            data = json.loads(manifest.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        for pattern in (data.get("apply") or {}).get("exclude") or ():
+            if isinstance(pattern, str) and pattern not in patterns:
+                patterns.append(pattern)
+    return patterns
+
+
+def narrowed(tree: Path, options: dict) -> dict:
+    """``options`` with the ``--exclude`` the apply that wrote ``tree`` recorded, where the user gave neither
+    ``--exclude`` nor ``--entry`` (nor the config file's): verify judges what apply patched."""
+    if options.get("exclude") or options.get("entries"):
+        return options
+    recorded = recorded_exclude(tree)
+    if not recorded:
+        return options
+    return {**options, "exclude": recorded, "exclude_source": f"recorded by the apply that wrote this tree ({RECORD})"}
 
 
 def split(cfg: dict, cores: int | None = None) -> list[dict]:

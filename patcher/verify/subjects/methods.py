@@ -147,7 +147,8 @@ def load_rows(plan: dict, loaded: Loaded) -> list[dict]:
     return rows
 
 
-def coverage_check(decoders: list[dict], unparsed: list[str], notes: list[str], excluded: list[str] | None = None) -> dict:
+def coverage_check(decoders: list[dict], unparsed: list[str], notes: list[str], excluded: list[str] | None = None,
+                   exclude_source: str | None = None) -> dict:
     """``decoders: N found, M verified``: a decoder left out of a file that ddpatch patched is a finding, unless the
     user left it out (``--entry``) or it is the same code as one verified (``same_as``)."""
     verified = [d for d in decoders if d.get("verified")]
@@ -165,6 +166,8 @@ def coverage_check(decoders: list[dict], unparsed: list[str], notes: list[str], 
         text += f"; {len(unparsed)} file(s) not parsed: {', '.join(unparsed[:5])}"
     if excluded:
         text += f"; --exclude left out {len(excluded)} file(s): {', '.join(excluded[:5])}" + (", ..." if len(excluded) > 5 else "")
+        if exclude_source:
+            text += f" ({exclude_source})"
     check = {"check": "decoders", "passed": bool(verified) and not finding, "evidence": text,
              "decoders": decoders, "excluded": list(excluded or [])}
     if finding:
