@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from patcher.verify.judge import acceptance, reference_decode as rd
+from patcher.verify.judge import acceptance_verdict as acceptance, reference_decode as rd
 
 
 def _brute_force_best(logprobs, budget):
@@ -122,13 +122,42 @@ def test_the_row_passes_at_the_reference_and_fails_below_the_floor_naming_both_f
     refs = [[5, 6, 7, 8, 9, 10, 11, 12]]
     good = acceptance.method_check("dflash", _run([4, 4]), data, "", CFG, "float32", refs, OK)
     assert good["check"] == "acceptance: dflash" and good["passed"] and not good.get("info"), good
-    assert "reference decode 4.00" in good["evidence"] and "drafter oracle: pass" in good["evidence"]
+    assert good["evidence"].startswith("the integration is exact: the drafter is the limit")
+    assert "reference 4.00" in good["evidence"] and "drafter oracle: pass" in good["evidence"]
     bad = acceptance.method_check("ddtree_tb4", _run([2, 2, 2, 2]), data, "", CFG, "float32", refs, OK)
     assert not bad["passed"] and bad["check"] == "acceptance: ddtree_tb4"
-    assert "mean acceptance 2.00 < floor 4.00" in bad["evidence"] and "reference decode: 4.00" in bad["evidence"], bad
+    assert bad["verdict"].startswith("the integration loses acceptance: mean 2.00 < floor 4.00 on prompt 0"), bad
+    assert "first round that differs: prompt 0, round 0, at new token 1: accepted 2 where a correct tree accepts 4" in bad["verdict"]
     # a near-tie at the first start lets a correct tree accept 3 there: 3 + 4 + ... is still at or above the floor
     tied = _floor([4] * 8, reach=[[3, 4]] + [[4]] * 7)
     assert acceptance.method_check("dflash", _run([3, 4, 4]), tied, "", CFG, "float32", refs, OK)["passed"]
+
+
+def test_every_round_is_judged_from_its_own_start_both_ways():
+    """A round may not accept less than any correct decoder could from its start, nor more: a tree built against
+    the algorithm (a budget off by one) can accept more where its mean still looks fine."""
+    refs = [list(range(5, 21))]
+    cfg = {**CFG, "max_new_tokens": 16}
+    data = _floor([2] * 16, greedy=refs[0])
+    data["settings"]["max_new_tokens"] = 16
+    up = acceptance.method_check("ddtree_tb4", _run([2, 2, 3, 2, 2]), data, "", cfg, "float32", refs, OK)
+    assert not up["passed"] and up["verdict"].startswith("the tree is not built as the algorithm says: prompt 0, round 2, at new "
+                                                         "token 5: accepted 3 where a correct tree accepts at most 2"), up
+    first = up["per_prompt"][0]
+    assert first["acceptance"] == [2, 2, 3, 2, 2] and first["reference_acceptance"] == [2, 2, 2, 2, 2, 2]
+    assert [o["way"] for o in first["off"]] == ["above"]
+    # one round short among rounds at the reference: the mean may stay above the floor of a prompt with near-ties
+    # elsewhere, the round is still named
+    reach = [[2]] * 4 + [[1, 2, 3]] * 12
+    short = acceptance.method_check("dflash", _run([2, 1, 3, 3, 3, 3]), _floor([2] * 4 + [3] * 12, reach=reach, greedy=refs[0]) |
+                                    {"settings": {**data["settings"]}}, "", cfg, "float32", refs, OK)
+    assert not short["passed"] and "round 1, at new token 3: accepted 1 where a correct DFlash accepts 2" in short["verdict"], short
+
+
+def test_a_drafter_that_predicts_nothing_is_inconclusive_not_a_pass():
+    refs = [[5, 6, 7, 8, 9, 10, 11, 12]]
+    row = acceptance.method_check("dflash", _run([1, 1, 1, 1]), _floor([1] * 8), "", CFG, "float32", refs, OK)
+    assert not row["passed"] and row["inconclusive"] and "accepts 1 token in every one of the 4 rounds" in row["evidence"], row
 
 
 def test_without_a_floor_or_outside_its_settings_the_row_reports_and_never_fails():

@@ -1,4 +1,4 @@
-"""``acceptance: METHOD``: the patched tree's acceptance against what a correct tree reaches.
+"""The stored floor: what a correct tree reaches on a shipped pair, measured once and kept beside it.
 
 A pair of model folders may carry ``acceptance_floor.json`` beside them (the trained pair does:
 ``patcher/data/trained_pair``). ``measure`` makes it with ``reference_decode``: ddpatch's own
@@ -9,11 +9,8 @@ through the LM head: a drafter the oracle passes stays within it). It stores the
 the settings and the command; nothing in it is set by hand.
 
 At verify time, with that pair (same weights, float32, greedy, its block size, a stored budget, at
-most its number of new tokens), the check fails when a method's mean acceptance on a prompt is
-below the lowest mean acceptance any decode within ``epsilon`` reaches on it (``floor``), and
-names the method, the prompt and both figures. A prompt whose greedy continuation differs from
-the stored one (a near-tie of the target on this machine) is left out and said so. Without a
-stored floor the row reports the acceptance next to the drafter oracle's verdict and never fails.
+most its number of new tokens) the stored floor is the fast path; any other run computes the same
+data in the run (``pair_reference``). ``acceptance_verdict`` judges every round against either.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ import json
 from pathlib import Path
 
 from .calibration import MULTIPLE
-from .reference_decode import Positions, ScratchPair, decode, floor, walk
+from .reference_decode import Positions, ScratchPair, decode, walk
 
 FLOOR_FILE = "acceptance_floor.json"
 FORMAT = 1
@@ -140,11 +137,7 @@ def prompts_of(floor_data: dict, n: int) -> list[list[int]]:
     return [p["ids"] for p in floor_data["prompts"][:n]]
 
 
-# ----------------------------------------------------------------------------- the check
-def _mean(xs) -> float:
-    return sum(xs) / len(xs) if xs else 0.0
-
-
+# ----------------------------------------------------------------------------- what the check judges (acceptance_verdict)
 def judged_rounds(acceptance: list[int], horizon: int) -> list[int]:
     """The rounds of a decode that start before ``horizon`` new tokens (a round's start: the new tokens committed
     before it, the prefill's one not counted): the rounds every tree runs on a whole block."""
@@ -162,65 +155,3 @@ def horizon_of(n: int, block_size: int) -> int:
     rounds after (upstream DFlash: ``verify_size = min(block_size, max_length - start)``; DDTree's output buffer
     holds ``max_length + 1 + budget`` tokens, so a budget + 1 below the block size cuts its last rounds)."""
     return max(0, n - block_size)
-
-
-def method_check(name: str, runs: list[dict], floor_data: dict | None, why_none: str, cfg: dict, dtype: str,
-                 references: list[list[int]], drafter: dict, kind: str | None = None, budget: int | None = None) -> dict:
-    """The ``acceptance: METHOD`` row: judged against the stored floor, or reported (``info``) without one. Any chain
-    decoder is judged against the floor of ddpatch's chain reference decode (``dflash``), any tree decoder at budget
-    B against the tree's (``ddtree_tbB``)."""
-    check = {"check": f"acceptance: {name}"}
-    if kind is None:  # named the reference decoders' way: dflash, ddtree_tbB
-        kind, budget = ("tree", int(name.rsplit("tb", 1)[1])) if name.startswith("ddtree_tb") else ("chain", None)
-    done = [r for r in runs if r.get("acceptance")]
-    lengths = [a for r in done for a in r["acceptance"]]
-    mean = _mean(lengths)
-    oracle = f"drafter oracle: {'skip' if drafter.get('skipped') else 'pass' if drafter.get('passed') else 'FAIL'}"
-    stored = "dflash" if kind == "chain" else f"ddtree_tb{budget}"
-    reason = why_none if floor_data is None else not_applicable(floor_data, cfg, dtype, budget if kind == "tree" else None)
-    if reason or not done:
-        figures = f"mean {mean:.2f} over {len(lengths)} rounds" if done else "no run"
-        return {**check, "passed": True, "info": True, "acceptance_mean": round(mean, 3),
-                "evidence": f"{figures} ({reason or 'nothing to judge'}: reported, not judged); {oracle}"}
-    n, rows, left_out = cfg["max_new_tokens"], [], []
-    h = horizon_of(n, cfg["block_size"])
-    if h <= 0:
-        return {**check, "passed": True, "info": True, "acceptance_mean": round(mean, 3),
-                "evidence": f"mean {mean:.2f}: {n} new tokens leave no round a whole block before the end (block size "
-                            f"{cfg['block_size']}): reported, not judged; {oracle}"}
-    tails = 0
-    for r in done:
-        entry_p = floor_data["prompts"][r["prompt"]] if r["prompt"] < len(floor_data["prompts"]) else None
-        if entry_p is None or references[r["prompt"]] != entry_p["greedy"][: len(references[r["prompt"]])] or not r["verdict"]["identical"]:
-            left_out.append(r["prompt"])
-            continue
-        entry = entry_p["methods"][stored]
-        stop_at = entry_p["stop_at"] if entry_p["stop_at"] is not None and entry_p["stop_at"] < h else None
-        ref = walk(entry["at"], h, stop_at)
-        mine = judged_rounds(r["acceptance"], h)
-        tails += len(r["acceptance"]) - len(mine)
-        rows.append({"prompt": r["prompt"], "mean": _mean(mine), "floor": floor(entry["reachable"], h, stop_at),
-                     "reference": _mean(ref), "rounds": len(mine), "reference_rounds": len(ref), "reference_total": sum(ref)})
-    if tails:
-        left_out_tail = (f"; judged on the rounds that start a block or more before the end ({tails} last round(s) left out: "
-                         "trees shorten their last block)")
-    else:
-        left_out_tail = ""
-    note = (f"; prompt(s) {', '.join(map(str, left_out))} left out (greedy continuation differs from the stored one)" if left_out else "") + left_out_tail
-    if not rows:
-        return {**check, "passed": True, "info": True, "acceptance_mean": round(mean, 3),
-                "evidence": f"mean {mean:.2f}: no prompt comparable with the stored floor{note}; {oracle}"}
-    below = [row for row in rows if row["mean"] < row["floor"] - 1e-9]
-    ref_mean = sum(row.pop("reference_total") for row in rows) / sum(row["reference_rounds"] for row in rows)  # over rounds
-    check.update(acceptance_mean=round(mean, 3), reference_mean=round(ref_mean, 3), per_prompt=[
-        {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()} for row in rows])
-    if below:
-        b = below[0]
-        return {**check, "passed": False, "evidence": (
-            f"{len(below)}/{len(rows)} prompts below the floor; prompt {b['prompt']}: mean acceptance {b['mean']:.2f} "
-            f"< floor {b['floor']:.2f} (ddpatch's from-scratch reference decode: {b['reference']:.2f}; {b['rounds']} rounds "
-            f"against {b['reference_rounds']}){note}; {oracle}")}
-    low = min(rows, key=lambda row: row["mean"] - row["floor"])
-    return {**check, "passed": True, "evidence": (
-        f"mean {mean:.2f} (reference decode {ref_mean:.2f}), every prompt at or above its floor ({len(rows)} prompts; "
-        f"closest: prompt {low['prompt']} {low['mean']:.2f}, floor {low['floor']:.2f}){note}; {oracle}")}

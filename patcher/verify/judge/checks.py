@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-from . import acceptance as accept, calibration, drafter_oracle, neartie, oracle, routers
+from . import acceptance_verdict as accept, calibration, drafter_oracle, neartie, oracle, pair_reference, routers
 from ..subjects.binding import call_generate, unsupported_sampling
 from ..plumbing.events import emit, error_summary
 from ..models.load import greedy, multi_token_consistent
@@ -271,6 +271,14 @@ def verify_model(label: str, cfg: dict, loaded, target, drafts: dict, mask_token
             emit("progress", done=done, total=total, label=f"{label}: {method.name} sampled {cfg['sampling_runs']} times")
 
     f32 = calibration.float32_command(cfg)
+    floors = {}  # drafter class -> (what a correct decoder reaches with it on these prompts, or None, why not)
+    if not (is_preset or scripted) and not sampling:
+        budgets_run = sorted({m.budget for m in methods if m.kind == "tree"})
+        for cls_name in dict.fromkeys(m.drafter for m in methods if m.kind != "target"):
+            floors[cls_name] = pair_reference.floor_for(
+                cfg.get("acceptance_floor"), cfg.get("acceptance_floor_missing") or "no stored floor for this drafter", cfg, dtype,
+                target, drafts[cls_name], dcals[cls_name][0], prompts, references, budgets_run,
+                progress=lambda text: emit("progress", done=done, total=total, label=f"{label}: {text}"))
     for method in methods:
         name, st = method.name, stats[method.name]
         rows = []
@@ -300,9 +308,9 @@ def verify_model(label: str, cfg: dict, loaded, target, drafts: dict, mask_token
             rows.append({**row, "real_drafter": real})
             dcal, draft_skip = dcals.get(method.drafter, (None, None))
             rows.append(routers.inconclusive(drafter_check(name, st.runs, draft_skip), st.runs, dtype, f32))
-            if real and not sampling:  # a real drafter: its acceptance, judged against a stored floor or reported
-                rows.append(accept.method_check(name, st.runs, cfg.get("acceptance_floor"), cfg.get("acceptance_floor_missing") or
-                                                "no stored floor for this drafter", cfg, dtype, references, rows[-1], method.kind,
+            if real and not sampling:  # a real drafter: every round against what a correct decoder reaches from its start
+                floor_data, why_none = floors[method.drafter]
+                rows.append(accept.method_check(name, st.runs, floor_data, why_none, cfg, dtype, references, rows[-1], method.kind,
                                                 method.budget))
         if name in distributions:
             d = distributions[name]
