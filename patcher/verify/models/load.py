@@ -3,6 +3,7 @@ own greedy decoding, which is the oracle's reference."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from . import presets
@@ -126,12 +127,14 @@ def load_real(cfg: dict, draft_classes: dict, primary: str | None):
     common = dict(dtype=dtype, local_files_only=True, trust_remote_code=bool(cfg.get("trust_remote_code")))
     if cfg.get("device_map"):
         common["device_map"] = cfg["device_map"]
-    target = load_target(cfg["target"], cfg.get("attn_implementation"), common).eval()
+    with bad_folder("--target", cfg["target"]):
+        target = load_target(cfg["target"], cfg.get("attn_implementation"), common).eval()
     notes = {}
     if cfg.get("draft"):
         name = drafter_class_of(cfg["draft"], draft_classes, primary)
-        drafts = {name: draft_classes[name].from_pretrained(cfg["draft"], attn_implementation=cfg.get("draft_attn_implementation") or "sdpa",
-                                                            **common)}
+        with bad_folder("--draft", cfg["draft"]):
+            drafts = {name: draft_classes[name].from_pretrained(cfg["draft"], attn_implementation=cfg.get("draft_attn_implementation")
+                                                                or "sdpa", **common)}
         notes = {n: f"the --draft folder is a {name}" for n in draft_classes if n != name}
     else:
         drafts = {}
@@ -148,6 +151,19 @@ def load_real(cfg: dict, draft_classes: dict, primary: str | None):
         drafts = {n: d.to(target.get_input_embeddings().weight.device) for n, d in drafts.items()}
     first = next(iter(drafts.values()), None)
     return target, {n: d.eval() for n, d in drafts.items()}, getattr(first, "mask_token_id", None), notes
+
+
+@contextlib.contextmanager
+def bad_folder(flag: str, folder: str):
+    """A folder the loader cannot read (no weights, a truncated or corrupt file) is the user's input: a ValueError
+    naming it (one ``ddpatch: error:`` line, exit 2), never a crash of the verifier. The parent checked the folder
+    already (``folders.check_pair``); this catches what only the loader sees."""
+    try:
+        yield
+    except Exception as exc:
+        if isinstance(exc, OSError) or "Safetensor" in type(exc).__name__ or "HeaderTooLarge" in str(exc):
+            raise ValueError(f"{flag} {folder}: cannot load it: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from None
+        raise
 
 
 def drafter_class_of(folder: str, draft_classes: dict, primary: str | None) -> str:

@@ -29,6 +29,7 @@ from ...results import Outcome
 from ..subjects import decoders
 from . import exitstatus
 from ..judge import rows
+from ..models.folders import FolderError, check_pair
 from ..models.trained import FOLDER_PRESETS, folder_preset_options, pair_options
 from .warm import PARENT_ENV
 from ..plumbing.environ import child_env
@@ -68,6 +69,12 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
             raise VerifyError(f"--{key} {options[key]} does not exist")
     if options.get("draft") and not options.get("target"):
         raise VerifyError("--draft needs --target")
+    try:  # bad model folders are the user's input, told in one line before a child starts
+        check_pair(options.get("target"), options.get("draft"))
+        for pair in options.get("pairs") or ():
+            check_pair(pair.get("target"), pair.get("draft"))
+    except FolderError as exc:
+        raise VerifyError(str(exc)) from None
     if options.get("scripted_draft") and not options.get("target"):
         raise VerifyError("--scripted-draft needs --target (or the trained-qwen3_5 preset): a random preset's draft is "
                           "always scripted already, from the target's greedy continuation (true token at rank 0, 1 or nowhere)")
