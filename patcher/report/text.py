@@ -337,6 +337,11 @@ def _verify_setup(con, res: dict) -> None:
             attn = f"{attn} (requested {loaded.get('attn_requested')}: unsupported by this model)"
         con.print(f"  target loaded with: dtype {loaded.get('dtype')} · device {loaded.get('device')} · device_map "
                   f"{loaded.get('device_map') or 'none'} · attention {attn} · {loaded.get('auto_class')}")
+        settings, where = loaded.get("settings") or {}, loaded.get("settings_from") or {}
+        if settings:
+            con.print("  decoded with: " + " · ".join(
+                f"{k.replace('_', ' ')} {','.join(map(str, v)) if isinstance(v, list) else v}" + (f" ({where[k]})" if k in where else "")
+                for k, v in settings.items() if v is not None))
     for m in res.get("models", []):
         cal = m.get("calibration")
         if cal:

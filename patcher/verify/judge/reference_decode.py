@@ -62,20 +62,47 @@ class ScratchPair:
 
 
 # ----------------------------------------------------------------------------- the tree
+class _Later:
+    """A path's tie-break key for a min-heap: among equal scores the path whose tokens read smaller wins
+    (``max`` over ``(score, tuple(-t for t in path))``, as the exhaustive pick ordered them)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, path: tuple):
+        self.key = tuple(-t for t in path)
+
+    def __lt__(self, other: "_Later") -> bool:
+        return other.key < self.key
+
+
 def best_nodes(logprobs, budget: int) -> dict[tuple, float]:
     """The ``budget`` highest-scoring nodes of the implicit tree over ``logprobs`` [depth, vocab]:
-    path (tuple of tokens) -> score. A child never scores above its parent, so picking the best
-    child of the picked nodes, ``budget`` times, picks the best ``budget`` nodes."""
+    path (tuple of tokens) -> score, in the order picked. A child never scores above its parent, and siblings are
+    ranked, so the best node left is the best child of a picked node or the next sibling of one: the frontier holds
+    one of each (at most twice the budget), however wide the vocabulary (upstream budgets reach 1024)."""
+    import heapq
+
     depth, width = logprobs.shape[0], min(budget, logprobs.shape[1])
-    top = [list(zip(*(t.tolist() for t in logprobs[d].topk(width)))) for d in range(depth)]  # [(logprob, token)]
+    top = []  # per depth: (logprob, token), best first; equal logprobs: the smaller token first
+    for d in range(depth):
+        values, tokens = logprobs[d].topk(width)
+        top.append(sorted(zip(values.tolist(), tokens.tolist()), key=lambda vt: (-vt[0], vt[1])))
     picked: dict[tuple, float] = {}
-    frontier = {(tok,): lp for lp, tok in top[0]}
+    frontier: list = []
+
+    def push(parent: tuple, base: float, i: int) -> None:
+        d = len(parent)
+        if d < depth and i < width:
+            lp, tok = top[d][i]
+            path = parent + (tok,)
+            heapq.heappush(frontier, (-(base + lp), _Later(path), path, base, i))
+
+    push((), 0.0, 0)
     while frontier and len(picked) < budget:
-        path = max(frontier, key=lambda p: (frontier[p], tuple(-t for t in p)))  # ties: the smaller token ids
-        score = frontier.pop(path)
-        picked[path] = score
-        if len(path) < depth:
-            frontier.update({path + (tok,): score + lp for lp, tok in top[len(path)]})
+        neg, _, path, base, i = heapq.heappop(frontier)
+        picked[path] = -neg
+        push(path[:-1], base, i + 1)  # its next sibling
+        push(path, -neg, 0)  # its best child
     return picked
 
 

@@ -229,6 +229,8 @@ def loaded_with(target, cfg: dict) -> dict:
     info.update(dtype=str(target.dtype).replace("torch.", ""), device=str(target.get_input_embeddings().weight.device),
                 device_map=cfg.get("device_map") or None)
     info.setdefault("attn_implementation", getattr(target.config, "_attn_implementation", None))
+    info["settings"] = {k: cfg.get(k) for k in ("block_size", "tree_budgets", "prompts", "max_new_tokens")}
+    info["settings_from"] = cfg.get("settings_from") or {}
     return info
 
 
