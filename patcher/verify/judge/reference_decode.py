@@ -197,13 +197,17 @@ def tree_at(logits, gold: list[int], budget: int, eps: float) -> tuple[int, list
         a += 1
     slack = 4 * eps * q
     path = logprobs[torch.arange(q), torch.tensor(gold)].cumsum(0).tolist()
+    # per ranked node: its depth, and how many of its first tokens it shares with the gold path
+    lengths = torch.tensor([len(n) for n, _ in ranked])
+    shared = torch.tensor([next((i for i, (x, g) in enumerate(zip(n, gold)) if x != g), min(len(n), q)) for n, _ in ranked])
+    scores = torch.tensor([s for _, s in ranked], dtype=torch.float64)
     must, may = [], []
     for k in range(1, q + 1):
-        mine = tuple(gold[:k])
-        others = [s for n, s in ranked if n[:k] != mine and mine[: len(n)] != n]  # neither a descendant nor an ancestor
+        related = (shared >= k) | ((lengths <= k) & (shared == lengths))  # a descendant (or itself), or an ancestor
+        others = scores[~related]
         room = budget - (k - 1)  # places left for it and the unrelated nodes before it
-        must.append(sum(s >= path[k - 1] - slack for s in others) < room)
-        may.append(sum(s > path[k - 1] + slack for s in others) < room)
+        must.append(int((others >= path[k - 1] - slack).sum()) < room)
+        may.append(int((others > path[k - 1] + slack).sum()) < room)
     return a + 1, reachable(must, may)
 
 
