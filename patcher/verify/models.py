@@ -8,6 +8,9 @@ from pathlib import Path
 from . import presets
 from .events import emit
 
+# Until this module moves to models/load.py: the folder beside it (models/prompts.py) imports as its submodules.
+__path__ = [str(Path(__file__).with_name("models"))]
+
 DRAFT_WINDOW = 16
 
 #: Logit spread (std) the presets' target gets for sampled verification. Its random lm_head gives
