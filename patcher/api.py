@@ -233,13 +233,17 @@ def workflow_template() -> str:
 
 
 def verify(path: str | Path, timeout: float = 600.0, progress: Callable[[dict], None] | None = None, upstream_tests: bool = False,
-           original: str | Path | None = None, **options) -> Outcome:
+           original: str | Path | None = None, prompts_file: str | Path | None = None, **options) -> Outcome:
     """Run the tree's own decoders in a child process and judge them (options: the keys of ``patcher.verify.process.runner.DEFAULTS``,
     ``target``/``draft`` folders, ``scripted_draft``, ``temperature``, ...). ``upstream_tests``: also run the tree's own
-    tests before and after the patch (the unpatched tree: ``original``, else the in-place apply's journal)."""
+    tests before and after the patch (the unpatched tree: ``original``, else the in-place apply's journal).
+    ``prompts_file``: decode the models with a tokenizer on these prompts (``patcher.verify.models.prompts``); the
+    first ``prompts`` of them, else its default."""
     from .verify.process.runner import run_verify
 
     unpatched = _unpatched(Path(path), original) if upstream_tests or original is not None else None  # bad input: before the run
+    if prompts_file is not None:
+        options.update(_prompts_options(prompts_file, options))
     if Path(path).is_dir() and not options.get("entries"):  # --entry names the decoders: the runner checks them
         require_decoder(path, options.get("exclude") or ())
     outcome = run_verify(Path(path), timeout=timeout, progress=progress, **options)
@@ -248,6 +252,23 @@ def verify(path: str | Path, timeout: float = 600.0, progress: Callable[[dict], 
 
         outcome.result.setdefault("checks", []).append(upstream_tests_row(Path(path), unpatched, _steps_by_file, timeout, progress))
     return outcome
+
+
+def _prompts_options(prompts_file: str | Path, options: dict) -> dict:
+    """``prompt_records`` and ``prompts_source`` for the child, read and checked here: bad input is one line before any
+    child starts. A random preset decodes random token ids (it has no tokenizer): a file needs a model that reads text."""
+    from .verify.models.prompts import PromptsFileError, verify_options
+    from .verify.models.trained import FOLDER_PRESETS
+
+    presets = options.get("presets") or ()
+    if not options.get("target") and presets and not any(p in FOLDER_PRESETS for p in presets):
+        raise VerifyError(f"--prompts-file needs a model that reads text: --target DIR, or the {', '.join(FOLDER_PRESETS)} preset "
+                          f"(a default verify runs it); {', '.join(presets)} "
+                          f"{'decode' if len(presets) > 1 else 'decodes'} random token ids (no tokenizer)")
+    try:
+        return verify_options(prompts_file, options.get("prompts"))
+    except PromptsFileError as exc:
+        raise VerifyError(str(exc)) from None
 
 
 # ----------------------------------------------------------------------------- verify --upstream-tests

@@ -205,7 +205,12 @@ verify_options = _options(
     click.option("--attn-implementation", default=None, help="Target attention implementation (default sdpa)."),
     click.option("--trust-remote-code", is_flag=True, help="Allow model code from the model folder (off by default)."),
     click.option("--seeds", default=None, help="Comma-separated seeds (default 0,1)."),
-    click.option("--prompts", type=click.IntRange(min=1), default=None, help="Prompts per seed (default 2)."),
+    click.option("--prompts", type=click.IntRange(min=1), default=None,
+                 help="Prompts per seed (default 2); with --prompts-file: the first N of the file (default 8, or all if fewer)."),
+    click.option("--prompts-file", type=click.Path(path_type=Path), default=None, metavar="FILE",
+                 help="Decode the models that read text (--target, the trained pair) on your own prompts: JSONL with turns "
+                      "(MT-Bench), question (GSM8K), prompt (HumanEval) or chat messages per line, or plain text, one prompt "
+                      "per line. The target's chat template is applied as upstream's benchmarks apply it. See docs/verifier.md."),
     click.option("--max-new-tokens", type=click.IntRange(min=1), default=None, help="New tokens per prompt (default 32)."),
     click.option("--block-size", type=click.IntRange(min=2), default=None, help="Draft block size, >= 2 (default 4)."),
     click.option("--tree-budgets", default=None, help="DDTree node budgets, comma-separated, each >= 1 (default 4,8; the trained pair 8,16)."),
@@ -326,6 +331,8 @@ def verify(path, timeout, temperature, top_p, top_k, sampling_runs, default_init
         raise Failure("--top-p and --top-k need --temperature > 0")
     if generate and (options.get("upstream_tests") or options.get("original")):
         raise Failure("--upstream-tests and --original judge a patched tree (PATH); --generate has none")
+    if generate and options.pop("prompts_file", None) is not None and _given("prompts_file"):  # a config's is for the tree's decoders
+        raise Failure("--prompts-file feeds a tree's decoders (PATH); --generate decodes its own prompts")
     if generate:
         sys.exit(_verify_generate(path, fmt, modes, assistant, options, temperature, top_p, top_k, sampling_runs))
     if path is None:
@@ -333,6 +340,13 @@ def verify(path, timeout, temperature, top_p, top_k, sampling_runs, default_init
     options.update(temperature=temperature, top_p=top_p, top_k=top_k, sampling_runs=sampling_runs, default_init=default_init or None,
                    logit_tolerance=logit_tolerance)
     sys.exit(_verify_and_report(path, fmt, timeout, options, html_file))
+
+
+def _given(param: str) -> bool:
+    """Whether ``param`` was given on the command line (not by default or by the config file)."""
+    from click.core import ParameterSource
+
+    return click.get_current_context().get_parameter_source(param) == ParameterSource.COMMANDLINE
 
 
 def _verify_generate(path, fmt, modes, assistant, options, temperature, top_p, top_k, sampling_runs) -> int:

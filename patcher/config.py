@@ -39,6 +39,7 @@ KEYS = {
     "reviewed": "a list of drafter inputs whose deliberate difference was reviewed (verify): noise, positions, features",
     "include-vendored": "true or false",
     "exclude": "a list of glob patterns: files and folders to leave out (check, diff, apply, verify)",
+    "prompts-file": "a path to a prompts file for verify (JSONL or plain text; relative to the config file)",
 }
 
 
@@ -112,6 +113,8 @@ def _validate(values: dict[str, Any], path: Path) -> dict[str, Any]:
             raise ConfigError(f"config {path}: {key} must be {KEYS[key]}, got {value!r}")
         if key == "recipe" and value.endswith(".toml") and not Path(value).is_absolute():
             value = str(path.parent / value)
+        if key == "prompts-file":  # read by the verifier wherever the command runs from: anchored to the file, as recipe is
+            value = str(path.parent / Path(value).expanduser())
         out[key] = value
     return out
 

@@ -175,3 +175,41 @@ def test_the_reviewable_drafter_inputs_are_one_list():
 
     choices = next(p.type.choices for p in verify_command.params if p.name == "reviewed")
     assert config.REVIEWABLE == drafter_verdict.REVIEWABLE == tuple(choices)
+
+
+def test_verify_reads_its_prompts_file_relative_to_the_config_file(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr("patcher.verify.process.runner.run_verify", lambda tree, **k: seen.append(k) or __import__("patcher.results").results
+                        .Outcome({"checks": [{"check": "c", "passed": True}]}, 0.0))
+    import shutil
+
+    conf = tmp_path / "conf"
+    tree = conf / "ddtree"
+    shutil.copytree(Path(__file__).resolve().parent.parent / "vendored" / "ddtree", tree)
+    (conf / "bench").mkdir()
+    (conf / "bench" / "p.txt").write_text("from the config\n")
+    (tmp_path / "mine.txt").write_text("from the flag\n")
+    (conf / "ddpatch.toml").write_text('prompts-file = "bench/p.txt"\n')
+    assert run("verify", tree).exit_code == 0  # the working folder is tmp_path, not conf
+    assert [r["text"] for r in seen[-1]["prompt_records"]] == ["from the config"]
+    assert seen[-1]["prompts_source"]["file"] == str(conf / "bench" / "p.txt")
+    assert load_config(tree).get("prompts-file") == str(conf / "bench" / "p.txt")
+    assert run("verify", tree, "--prompts-file", "mine.txt").exit_code == 0
+    assert [r["text"] for r in seen[-1]["prompt_records"]] == ["from the flag"], "the flag overrides the file"
+    (conf / "ddpatch.toml").write_text('prompts-file = "bench/none.txt"\n')
+    missing = run("verify", tree)
+    assert missing.exit_code == 2 and f"--prompts-file {conf / 'bench' / 'none.txt'}: no such file" in missing.stderr
+    assert len(seen) == 2, "bad input: no verifier started"
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('prompts_file = "p.txt"\n', "unknown key 'prompts_file' (did you mean prompts-file?)"),
+    ("prompts-file = 3\n", "prompts-file must be a path to a prompts file"),
+    ('prompts-file = ""\n', "prompts-file must be a path to a prompts file"),
+])
+def test_a_bad_prompts_file_key_is_one_line_and_exit_2(tmp_path, text, needle):
+    root = checkout(tmp_path)
+    (root / "ddpatch.toml").write_text(text)
+    result = run("verify", root)
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and needle in lines[0], lines

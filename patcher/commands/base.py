@@ -157,7 +157,7 @@ recipe_options = options(
 #: CLI parameter -> config key, for the settings a config file may give.
 _CONFIGURABLE = {"recipe_name": "recipe", "select": "select", "ignore": "ignore", "upstream": "upstream", "jobs": "jobs",
                  "fmt": "format", "allow_lossy": "allow-lossy", "presets": "presets", "entries": "entry", "reviewed": "reviewed",
-                 "include_vendored": "include-vendored", "exclude": "exclude"}
+                 "include_vendored": "include-vendored", "exclude": "exclude", "prompts_file": "prompts-file"}
 
 
 def configured(path, options: dict) -> dict:
