@@ -343,6 +343,8 @@ def _verify_setup(con, res: dict) -> None:
                 f"{k.replace('_', ' ')} {','.join(map(str, v)) if isinstance(v, list) else v}" + (f" ({where[k]})" if k in where else "")
                 for k, v in settings.items() if v is not None))
     for m in res.get("models", []):
+        if m.get("prompts_made"):
+            con.print(f"  {m['model']}: prompts: {m['prompts_made']}")
         cal = m.get("calibration")
         if cal:
             how = "set by --logit-tolerance" if cal.get("override") is not None else f"{cal['multiple']:g} x floor"

@@ -344,5 +344,6 @@ def verify_model(label: str, cfg: dict, loaded, target, drafts: dict, mask_token
         "logit_tolerance": tolerance,
         "calibration": cal.as_dict(),
         "mask_token_id": mask_token_id,
+        "prompts_made": cfg.get("prompts_made"),
         "drafter_calibration": {n: c.as_dict() for n, (c, _) in dcals.items() if c is not None} or None,
     }

@@ -113,6 +113,8 @@ def floor_for(stored: dict | None, why_missing: str, cfg: dict, dtype: str, targ
     if stored is not None:
         why = not_applicable(stored, cfg, dtype, None) or next(
             (f"no stored floor for tree budget {b}" for b in budgets if b not in stored["settings"]["budgets"]), None)
+        if why is None and [p[0].tolist() for p in prompts] != [e["ids"] for e in stored["prompts"][: len(prompts)]]:
+            why = "the run's prompts are not the stored floor's"
         if why is None:
             return stored, ""
     else:

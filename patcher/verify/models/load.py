@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from . import presets
+from . import presets, prompts as prompt_files
 from ..plumbing.events import emit
 
 DRAFT_WINDOW = 16
@@ -230,6 +230,8 @@ def loaded_with(target, cfg: dict) -> dict:
                 device_map=cfg.get("device_map") or None)
     info.setdefault("attn_implementation", getattr(target.config, "_attn_implementation", None))
     info["settings"] = {k: cfg.get(k) for k in ("block_size", "tree_budgets", "prompts", "max_new_tokens")}
+    if cfg.get("prompt_records"):
+        info["settings"]["prompts"] = len(cfg["prompt_records"])
     info["settings_from"] = cfg.get("settings_from") or {}
     return info
 
@@ -360,22 +362,45 @@ BUILTIN_PROMPTS = (
 )
 
 
-def tokenized_prompts(cfg: dict, n: int, vocab: int):
-    """The built-in prompts through the target's tokenizer; random ids if the folder has none."""
+def target_tokenizer(cfg: dict):
+    """The ``--target`` folder's tokenizer, or None where it has none (or none that encodes)."""
     from transformers import AutoTokenizer
 
-    tok = None
-    if any((Path(cfg["target"]) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
-        try:
-            tok = AutoTokenizer.from_pretrained(cfg["target"], local_files_only=True, trust_remote_code=bool(cfg.get("trust_remote_code")))
-        except (OSError, ValueError, TypeError):
-            tok = None
-    if tok is None or tok("a", return_tensors="pt").input_ids.numel() == 0:
+    if not any((Path(cfg["target"]) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")):
+        return None
+    try:
+        tok = AutoTokenizer.from_pretrained(cfg["target"], local_files_only=True, trust_remote_code=bool(cfg.get("trust_remote_code")))
+    except (OSError, ValueError, TypeError):
+        return None
+    return tok if tok("a", return_tensors="pt").input_ids.numel() else None
+
+
+def tokenized_prompts(cfg: dict, n: int, vocab: int, target=None):
+    """(prompts, stop ids, how they were made): the ``--prompts-file`` records (``prompts.tokenize_records``: every
+    one, checked against the target's context before any decodes), else the built-in prompts, through the target's
+    tokenizer and its chat template; random ids if the folder has no tokenizer."""
+    import torch
+
+    tok = target_tokenizer(cfg)
+    records = cfg.get("prompt_records")
+    if records:
+        if tok is None:
+            raise ValueError(f"--prompts-file: the target folder {cfg['target']} has no tokenizer to read the prompts with")
+        text_config = target.config.get_text_config(decoder=True) if target is not None else None
+        max_context = getattr(text_config, "max_position_embeddings", None)
+        ids = prompt_files.tokenize_records(records, tok, max_context, cfg["max_new_tokens"])
+        note = f"{len(ids)} prompt(s) from {prompt_files.describe_source(cfg.get('prompts_source') or {})}; {prompt_files.template_note(tok)}"
+        return [torch.tensor([i]) for i in ids], _stops(tok), note
+    if tok is None:
         emit("progress", done=0, total=1, label="no tokenizer in the target folder: random token prompts")
-        return random_prompts(n, cfg["prompt_len"], cfg["seeds"][0], vocab - 1), []
+        return random_prompts(n, cfg["prompt_len"], cfg["seeds"][0], vocab - 1), [], "random token ids (the target folder has no tokenizer)"
     out = []
     for text in BUILTIN_PROMPTS[:n]:
         if getattr(tok, "chat_template", None):
             text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
         out.append(tok(text, return_tensors="pt").input_ids)
-    return out, [tok.eos_token_id] if tok.eos_token_id is not None else []
+    return out, _stops(tok), f"{len(out)} built-in prompt(s); {prompt_files.template_note(tok)}"
+
+
+def _stops(tok) -> list[int]:
+    return [tok.eos_token_id] if tok.eos_token_id is not None else []

@@ -135,11 +135,9 @@ def run(cfg: dict) -> dict:
         for draft in drafts.values():
             models.check_fit(target, draft)
         vocab = target.config.get_text_config(decoder=True).vocab_size
-        prompts, stops = models.tokenized_prompts(cfg, cfg["prompts"], min(vocab, mask if mask is not None else vocab))
-        floor, missing = sibling("judge.acceptance").find(cfg)  # a pair with a stored acceptance floor runs on its prompts
-        if floor is not None:
-            prompts = [torch.tensor([ids]) for ids in sibling("judge.acceptance").prompts_of(floor, cfg["prompts"])]
-        run_cfg = {**cfg, "stop_token_ids": stops, "acceptance_floor": floor, "acceptance_floor_missing": missing}
+        prompts, stops, made = models.tokenized_prompts(cfg, cfg["prompts"], min(vocab, mask if mask is not None else vocab), target)
+        prompts, floor, missing, made = stored_floor_prompts(cfg, prompts, made)
+        run_cfg = {**cfg, "stop_token_ids": stops, "acceptance_floor": floor, "acceptance_floor_missing": missing, "prompts_made": made}
         events.emit("progress", done=0, total=1, label="loaded " + Path(cfg["target"]).name)
         result["models"].append(checks.verify_model(cfg.get("label") or Path(cfg["target"]).name, run_cfg, loaded, target, drafts,
                                                     mask, False, prompts, scripted=bool(cfg.get("scripted_draft")),
@@ -159,14 +157,26 @@ def run(cfg: dict) -> dict:
     for pair in cfg.get("pairs") or ():
         pair_cfg = {**cfg, **pair}
         target, drafts, mask, notes = models.load_real(pair_cfg, loaded.drafters, loaded.primary)
-        floor, missing = sibling("judge.acceptance").find(pair_cfg)
-        prompts, stops = models.tokenized_prompts(pair_cfg, pair_cfg["prompts"], target.config.get_text_config(decoder=True).vocab_size)
-        if floor is not None:
-            prompts = [torch.tensor([ids]) for ids in sibling("judge.acceptance").prompts_of(floor, pair_cfg["prompts"])]
-        pair_cfg.update(stop_token_ids=stops, acceptance_floor=floor, acceptance_floor_missing=missing)
+        prompts, stops, made = models.tokenized_prompts(pair_cfg, pair_cfg["prompts"], target.config.get_text_config(decoder=True).vocab_size,
+                                                        target)
+        prompts, floor, missing, made = stored_floor_prompts(pair_cfg, prompts, made)
+        pair_cfg.update(stop_token_ids=stops, acceptance_floor=floor, acceptance_floor_missing=missing, prompts_made=made)
         events.emit("progress", done=0, total=1, label=f"loaded {pair['label']}")
         result["models"].append(checks.verify_model(pair["label"], pair_cfg, loaded, target, drafts, mask, False, prompts, notes=notes))
     return result
+
+
+def stored_floor_prompts(cfg: dict, prompts: list, made: str):
+    """A pair with a stored acceptance floor runs on the floor's prompts (the fast path: nothing to compute), unless
+    the user gave a prompts file: then the run's own reference judges it. Returns (prompts, floor, why none, made)."""
+    import torch
+
+    acceptance = sibling("judge.acceptance")
+    floor, missing = acceptance.find(cfg)
+    if floor is None or cfg.get("prompt_records"):
+        return prompts, floor, missing, made
+    ids = acceptance.prompts_of(floor, cfg["prompts"])
+    return [torch.tensor([i]) for i in ids], floor, missing, f"{len(ids)} prompt(s) of the stored acceptance floor"
 
 
 def passes(cfg: dict, loaded) -> list[dict]:
