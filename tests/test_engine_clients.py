@@ -177,6 +177,8 @@ def test_llamacpp_completion_gives_its_tokens_and_exact_rounds_from_metrics():
     assert acc.tokens_per_round == 4.5 and acc.source == "timings + /metrics"
     assert acc.accepted_per_position == [13, 10, 8, 6, 5, 4, 3]
     assert answer.counters["draft_n"] == 88 and answer.counters[c.LLAMACPP_DRAFTS] == 114
+    plain = json.loads(json.dumps(answer.as_dict()))  # what --format json prints
+    assert plain["acceptance"]["tokens_per_round"] == 4.5 and plain["acceptance"]["exact"] is True
     sent = r.sent("/completion")[0]
     assert sent["prompt"] == PROMPT and sent["n_predict"] == 64 and sent["temperature"] == 0.0 and sent["top_k"] == 1
     assert sent["cache_prompt"] is False and sent["return_tokens"] is True and sent["repeat_penalty"] == 1.0
