@@ -119,6 +119,7 @@ def one_line(exc: BaseException) -> str:
 
 
 LLAMA = {("GET", "/v1/models"): recorded("llamacpp/v1_models.json"), ("GET", "/props"): recorded("llamacpp/props.json"),
+         ("GET", "/slots"): recorded("llamacpp/slots.json"),
          ("GET", "/metrics"): [recorded("llamacpp/metrics_before.txt"), recorded("llamacpp/metrics_after.txt")],
          ("POST", "/completion"): recorded("llamacpp/completion.json"),
          ("POST", "/v1/completions"): recorded("llamacpp/v1_completions.json"),
@@ -191,6 +192,29 @@ def test_llamacpp_openai_api_reads_the_tokens_from_its_verbose_answer():
     assert answer.output_ids == js("llamacpp/completion.json")["tokens"]
     assert answer.acceptance.tokens_per_round == 4.5 and answer.acceptance.exact
     assert r.sent("/v1/completions")[0]["max_tokens"] == 64 and r.sent("/v1/completions")[0]["verbose"] is True
+
+
+def test_llamacpp_recorded_from_a_real_server_agrees_with_its_own_log():
+    """tests/data/engines/llamacpp/live/: one exchange with llama-server (built from llama-cpp-python 0.3.36's
+    vendor/llama.cpp, the shipped trained pair converted, llama-server --metrics, drafts of 7) as it answered.
+    Its own log line for the request says "mean len = 6.30", which is 1 + accepted / verification steps."""
+    live = {("GET", "/v1/models"): recorded("llamacpp/live/v1_models.json"), ("GET", "/props"): recorded("llamacpp/live/props.json"),
+            ("GET", "/slots"): recorded("llamacpp/live/slots.json"),
+            ("GET", "/metrics"): [recorded("llamacpp/live/metrics_before.txt"), recorded("llamacpp/live/metrics_after.txt")],
+            ("POST", "/completion"): recorded("llamacpp/live/completion.json")}
+    prompt = js("llamacpp/live/prompt.json")["prompt"]
+    with Replay(live) as r:
+        client = engines.connect(r.url)
+        info = client.info()
+        answer = client.generate(prompt, 64)
+    assert (info.speculative, info.context_length) == ("on", 1024)  # /props alone says speculative.types "none"
+    acc = answer.acceptance
+    assert (acc.drafted, acc.accepted, acc.rounds, acc.exact) == (67, 53, 10, True)
+    assert acc.drafted < 7 * acc.rounds  # the last drafts were cut to the tokens left
+    logged = [float(line.rsplit("mean len =", 1)[1]) for line in recorded("llamacpp/live/server_log.txt").decode().splitlines()]
+    assert logged and all(round(acc.tokens_per_round, 2) == value for value in logged)
+    assert answer.counters["predicted_n"] == 1 + acc.accepted + acc.rounds  # so the derived count agrees here
+    assert len(answer.output_ids) == 64 and acc.accepted_per_position == [10, 9, 9, 8, 6, 6, 5]
 
 
 @pytest.mark.parametrize("before, after, why", [

@@ -165,12 +165,17 @@ class LlamaCppClient(EngineClient):
         self._has_metrics: bool | None = None
 
     def info(self) -> EngineInfo:
+        """``/props`` (its ``speculative.types`` is the sampling defaults', "none" even on a speculating server), and
+        ``/slots``, whose ``speculative`` says whether a slot has a drafter (llama-server --no-slots turns it off)."""
         props = self._ok(self._call("/props"), "/props")
         settings = props.get("default_generation_settings") or {}
-        params = settings.get("params") or {}
         self._has_metrics = props.get("endpoint_metrics")
+        slots = self._call("/slots")
+        listed = slots.json() if slots.status == 200 else None
+        speculating = [s.get("speculative") for s in listed if isinstance(s, dict)] if isinstance(listed, list) else []
         return EngineInfo(LLAMACPP, self.url, model=props.get("model_alias") or props.get("model_path"),
-                          context_length=settings.get("n_ctx"), speculative=params.get("speculative.types"),
+                          context_length=settings.get("n_ctx"),
+                          speculative=("on" if any(speculating) else "off") if speculating else None,
                           details={"build_info": props.get("build_info"), "endpoint_metrics": props.get("endpoint_metrics")})
 
     def tokenize(self, text: str) -> list[int]:
