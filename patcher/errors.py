@@ -37,3 +37,33 @@ class VerifierCrash(VerifyError):
 
 #: Errors that mean bad input to apply, diff, check, revert and recipes.
 INPUT_ERRORS = (EngineError, RecipeError, JournalError, ValueError)
+
+
+class RefereeError(Exception):
+    """A serving engine that gave the referee no usable answer (one line for the user, exit 2)."""
+
+    exit_code = 2
+
+
+class EngineUnreachable(RefereeError):
+    """The engine's address refused the connection, did not resolve, or did not answer in time."""
+
+
+class EngineAnswerError(RefereeError):
+    """The engine answered, but not with what its API documents (an HTTP error, no JSON, too large, a field missing)."""
+
+
+class NoAcceptanceCounters(RefereeError):
+    """The engine's answer has no acceptance counters: speculative decoding is off (the message says how to turn it on)."""
+
+
+class NotGreedy(RefereeError):
+    """The engine reports sampling settings that are not greedy: its tokens cannot be compared with greedy decoding."""
+
+
+class PromptTooLong(RefereeError):
+    """The prompt and the new tokens do not fit the engine's context."""
+
+
+class TokenizerMismatch(RefereeError):
+    """The engine's tokenizer splits a probe text differently from the target's tokenizer."""

@@ -16,6 +16,7 @@ dependency). The checks:
   transformers anyway), and its own modules only relatively (the copy has no ``patcher``);
   its modules stay under ``RUNTIME_MAX_LINES`` lines;
 * the verifier's child modules import nothing of ``patcher`` outside ``patcher.verify``;
+* the ``referee`` imports only the stdlib at module level (``STDLIB_AT_TOP``: torch only inside a function);
 * no module is over ``MAX_LINES`` lines;
 * each subpackage's ``__init__`` is a docstring of two lines: what it is for, what it may import.
 
@@ -39,7 +40,7 @@ LAYERS = [
     ("commands",),
     ("api", "config"),
     ("ci",),
-    ("engine", "verify"),
+    ("engine", "verify", "referee"),
     ("lossless",),
     ("generation",),
     ("report",),
@@ -57,6 +58,7 @@ MAY_IMPORT = {
     "ci": {"engine", "verify", "results", "errors", "__init__"},
     "engine": {"results", "errors", "__init__"},
     "verify": {"results", "errors", "lossless", "__init__"},  # lossless: for `verify --generate`
+    "referee": {"results", "errors", "__init__"},  # serving engines' clients and counters: stdlib HTTP, no torch on import
     "report": {"results", "env", "__init__"},  # env: the verify header names where transformers stands
     "results": {"__init__"},
     "errors": set(),
@@ -80,6 +82,9 @@ RUNTIME_MAX_LINES = 400  # the runtime is read by the users whose trees carry it
 RUNTIME_ALLOWED = {"torch"}
 #: ... and, inside a function only (with a fallback), what every patched tree runs with anyway.
 RUNTIME_LAZY = {"transformers"}
+#: Packages that import only the stdlib at module level (the referee talks HTTP; importing it loads no torch), and
+#: what they may import inside a function.
+STDLIB_AT_TOP = {"referee": {"torch", "transformers"}}
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
@@ -239,6 +244,17 @@ def analyse(root: Path = ROOT) -> dict:
         lines = len(known[name].read_text(encoding="utf-8").splitlines())
         if lines > RUNTIME_MAX_LINES:
             violations.append(f"{name}: {lines} lines (over {RUNTIME_MAX_LINES}, the runtime's limit)")
+    for name in sorted(k for k in known if unit(k) in STDLIB_AT_TOP):
+        tree = ast.parse(known[name].read_text(encoding="utf-8"))
+        top_level = {a.name.split(".")[0] for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+        top_level |= {(n.module or "").split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom) and not n.level}
+        for ext in sorted(external.get(name, ())):
+            if ext in stdlib:
+                continue
+            if ext in top_level or ext not in STDLIB_AT_TOP[unit(name)]:
+                where = "at module level" if ext in top_level else "anywhere"
+                violations.append(f"{name} imports {ext} {where}: {unit(name)} imports only the stdlib at module level"
+                                  f" ({', '.join(sorted(STDLIB_AT_TOP[unit(name)]))} inside a function)")
     for name, path in known.items():
         lines = len(path.read_text(encoding="utf-8").splitlines())
         if lines > MAX_LINES:
