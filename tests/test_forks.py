@@ -167,7 +167,7 @@ def test_an_analysis_script_is_refused_with_what_was_found_and_the_exact_exclude
 def test_apply_keeps_the_users_exclude_for_verify(tmp_path):
     """apply --exclude: its next: line carries the --exclude, and verify of the tree it wrote reads it from the runtime
     copy's manifest, so the analysis folder's decoders are not verified (issue 42, item 2)."""
-    from patcher.verify.process import runner
+    from patcher.verify.process import settings as runner
 
     src = variant("analysis-folder", tmp_path)
     (src / "analysis" / "probe.py").write_text(
