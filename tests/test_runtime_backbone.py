@@ -211,3 +211,27 @@ def test_a_backbone_that_ignores_the_tree_mask_is_refused_in_one_line():
         cache = prefill(m, torch.tensor([[3, 4, 5]]))
         with pytest.raises(rt.UnsupportedModelError, match="ignores a custom 4D attention mask"):
             _tree_call(m.get_decoder(), torch.tensor([[6, 7, 8]]), parents, 3, cache, verify=True)
+
+
+@pytest.mark.parametrize("name,how", [("tiny-qwen3_5", "model"), ("tiny-qwen3_5-vlm", "language_model")])
+def test_the_verifier_sees_the_forks_backbone_calls_once_each(name, how):
+    """``ddpatch verify``'s logits oracle records a decoding forward the fork runs on the backbone, with the logits
+    its own head gives, once per call (not again from inside the full model's forward), and judges them exact."""
+    from patcher.verify import oracle
+
+    m, backbone = _backbone(name, how)
+    prompt = torch.randint(0, VOCAB_DRAW, (1, 7), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        truth = _greedy(m, prompt, 16)
+        with oracle.LogitsRecorder(m) as recorder:
+            got, paths = fork_decode(m, backbone, prompt, 12, "tree", truth, seed=9)
+        assert len(recorder.calls) == 1 + len(paths)  # the prefill and one verify per round
+        assert [len(c["ids"]) for c in recorder.calls[1:]] == [len(FORK_TREE)] * len(paths)
+        final = prompt[0].tolist() + got
+        verdict = oracle.judge_logits(recorder.calls, final, oracle.reference_logits(m, final), prompt.shape[1], 3e-5)
+        assert verdict.passed and verdict.positions >= len(got), verdict.describe()
+        from transformers import DynamicCache
+
+        with oracle.LogitsRecorder(m) as recorder:
+            m(prompt, past_key_values=DynamicCache(config=m.config))  # the full model calls its backbone inside
+        assert len(recorder.calls) == 1
