@@ -10,6 +10,7 @@ the wheel (and the sdist it may be built from) and run ``ddpatch demo`` from a v
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -154,16 +155,64 @@ def test_a_wheel_built_from_the_sdist_is_the_same(wheel, tmp_path):
         assert sorted(z.namelist()) == sorted(w.namelist())
 
 
+def _venv_over_this_environment(venv: Path) -> Path:
+    """A bare venv of this interpreter, for ``_see_this_environment`` once its own packages are in; returns its python.
+
+    Not ``venv --system-site-packages``: that reaches the *base* interpreter's packages, which are not this
+    environment's when the tests run inside a venv (README command 2 in a fresh venv: no ``rich`` there)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    return venv / "bin" / "python"
+
+
+def _see_this_environment(python: Path) -> None:
+    """Let the venv of ``python`` import what this interpreter imports, after its own packages, whatever kind of
+    environment runs the tests (a global install, a venv, a venv over system site packages, a user site): a ``.pth``
+    file lists the folders on this ``sys.path`` that the venv lacks, less the checkout (what is tested must come from
+    the venv). Written after the venv's own install, so that pip there sees only the venv."""
+    probe = "import json, sys, sysconfig; print(json.dumps([sysconfig.get_path('purelib'), sys.path]))"
+    run = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=60, check=True, env=_clean_env())
+    site_packages, theirs = json.loads(run.stdout)
+    has = {Path(p).resolve() for p in theirs if p}
+    folders: list[Path] = []
+    for entry in filter(None, sys.path):  # "" is the current folder, the child's own
+        path = Path(entry).resolve()
+        if path.is_dir() and path not in has and not path.is_relative_to(ROOT) and path not in folders:
+            folders.append(path)
+    (Path(site_packages) / "_ddpatch_tests_parent.pth").write_text("".join(f"{f}\n" for f in folders))
+
+
+def test_a_venv_over_this_environment_imports_what_this_environment_does(tmp_path):
+    """The built venv finds this run's dependencies where this run finds them (not the base interpreter's), and its
+    own packages first."""
+    python = _venv_over_this_environment(tmp_path / "venv")
+    own = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                              capture_output=True, text=True, timeout=60, check=True).stdout.strip())
+    (own / "rich").mkdir()
+    (own / "rich" / "__init__.py").write_text("MARK = 'the venv'\n")
+    _see_this_environment(python)
+    names = ["rich", "click", "libcst", "transformers", "torch"]
+    code = "import importlib.util as u, sys; print(*(getattr(u.find_spec(n), 'origin', 'missing:' + n) for n in sys.argv[1:]))"
+    found = subprocess.run([str(python), "-c", code, *names], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                           env=_clean_env())
+    assert found.returncode == 0, found.stderr[-2000:]
+    origins = found.stdout.split()
+    assert origins[0] == str(own / "rich" / "__init__.py"), origins[0]
+    for name, origin in zip(names[1:], origins[1:]):
+        here = importlib.util.find_spec(name).origin
+        assert Path(origin).resolve() == Path(here).resolve(), (name, origin, here)
+
+
 @pytest.mark.slow
 def test_ddpatch_demo_runs_from_the_installed_wheel_in_any_folder(wheel, tmp_path):
-    """The wheel in a venv (torch and the rest from this environment: ``.ci/wheel`` installs them afresh),
-    ``ddpatch demo`` from a folder that is not the checkout: patched, verified, exit 0."""
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True, timeout=120)
-    python = venv / "bin" / "python"
+    """The wheel in a venv (torch and the rest from the environment that runs the tests, whatever kind it is:
+    ``.ci/wheel`` installs them afresh), ``ddpatch demo`` from a folder that is not the checkout: patched, verified,
+    exit 0."""
+    python = _venv_over_this_environment(tmp_path / "venv")
+    venv = python.parent.parent
     install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
                               "--force-reinstall", str(wheel)], capture_output=True, text=True, timeout=600, env=_clean_env())
     assert install.returncode == 0, install.stderr[-3000:]
+    _see_this_environment(python)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     where = subprocess.run([str(python), "-c", "import patcher; print(patcher.__file__)"], cwd=elsewhere,

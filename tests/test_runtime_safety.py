@@ -112,8 +112,10 @@ def test_a_plain_forward_in_another_thread_never_reaches_the_verify():
     assert all("forward" not in mod.__dict__ for mod in gdn(m)), "every dispatcher is gone"
 
 
-def test_a_concurrent_verify_of_the_same_model_is_one_clear_error():
-    """Item 1: a second thread's verify of a model under verify raises, and A's commit stays exact."""
+@pytest.mark.parametrize("b_verifies", ["the model", "its backbone"])
+def test_a_concurrent_verify_of_the_same_model_is_one_clear_error(b_verifies):
+    """Item 1: a second thread's verify of a model under verify raises, and A's commit stays exact; also when B
+    verifies through the backbone (``target.model``), which shares every layer with the model A verifies."""
     m = model(NAME)
     cache = prefill(m, PROMPT)
     other = prefill(m, torch.tensor([[9, 8, 7]]))
@@ -121,7 +123,7 @@ def test_a_concurrent_verify_of_the_same_model_is_one_clear_error():
     try:
         errors = _in_thread_a(pause, lambda: torch.inference_mode()(chain_verify)(m, cache))
         with pytest.raises(RuntimeError, match="another thread is verifying this model"), torch.inference_mode():
-            chain_verify(m, other)
+            chain_verify(m if b_verifies == "the model" else m.model, other)
         pause.release.set()
         pause.a_thread.join(60)
     finally:

@@ -17,7 +17,9 @@ def _check_mask_honoured(model, mask: torch.Tensor) -> None:
     """Refuse a model that ignores a custom 4D attention mask: no tree verify can be exact on it.
 
     Probed once per model, on three tokens without a cache: hiding the first two tokens from
-    the third must change the third's logits. A model with no attention layer is not probed.
+    the third must change the third's logits (its last hidden state, for a backbone handed in
+    without its LM head: ``target.model``, ``get_decoder()``). A model with no attention layer is
+    not probed.
     """
     try:
         if _MASK_PROBED[model]:
@@ -39,8 +41,8 @@ def _check_mask_honoured(model, mask: torch.Tensor) -> None:
     alone.fill_diagonal_(0)
     alone[1, 0] = 0
     with torch.no_grad():
-        seen = model(ids, attention_mask=causal[None, None], use_cache=False).logits[0, -1]
-        hidden = model(ids, attention_mask=alone[None, None], use_cache=False).logits[0, -1]
+        seen = _last_scores(model(ids, attention_mask=causal[None, None], use_cache=False))
+        hidden = _last_scores(model(ids, attention_mask=alone[None, None], use_cache=False))
     # Logits pinned at the dtype's minimum (suppressed vocabulary entries) carry no signal and
     # would swamp a tolerance scaled by the largest magnitude: compare only the others.
     floor = torch.finfo(seen.dtype).min / 2 if seen.dtype.is_floating_point else float("-inf")
@@ -59,6 +61,22 @@ def _check_mask_honoured(model, mask: torch.Tensor) -> None:
         _MASK_PROBED[model] = True
     except TypeError:
         pass
+
+
+def _last_scores(output) -> torch.Tensor:
+    """The last token's output of a probe forward: logits from a model with an LM head, the last
+    hidden state from a backbone (whose output has no ``logits``), the first tensor of a tuple."""
+    for name in ("logits", "last_hidden_state"):
+        value = getattr(output, name, None)
+        if isinstance(value, torch.Tensor):
+            return value[0, -1]
+    first = output[0] if isinstance(output, (tuple, list)) else None
+    if isinstance(first, torch.Tensor):
+        return first[0, -1]
+    raise UnsupportedModelError(
+        f"ddpatch: the probe forward returned {type(output).__name__}, with neither logits nor a last hidden "
+        "state, so ddpatch cannot tell whether the model honours a 4D attention mask"
+    )
 
 
 def _checked_hidden_states(model, output):

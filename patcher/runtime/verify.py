@@ -7,7 +7,7 @@ import torch
 
 from .caches import _cache_length, _is_linear_layer, _layers, _linear_layer_ids, _linear_count, _set_linear_count, _snapshot
 from .discovery import _cache_of, _call_kwargs, _keyword_adapted, _model_type, hybrid_linear_modules
-from .errors import _uncertain
+from .errors import UnsupportedModelError, _uncertain
 from .routing import _one_verify, _own_forward, _swapped_forwards
 from .windows import _record_window_past, _shrink_recorded, _windowed_mask_forwards
 from .probes import _check_mask_honoured, _checked_hidden_states
@@ -32,7 +32,7 @@ def verify_forward(model, *args, **kwargs):
     kwargs = _call_kwargs(model, kwargs)
     _, cache = _cache_of(kwargs)
     windowed_call = kwargs.pop("_ddpatch_windowed", False)
-    with _one_verify(model):
+    with _one_verify(_shared_with(model)):
         adopt_cache(model, cache)  # a cache built without a config gets this model's layout before any state is written
         given_mask = kwargs.get("attention_mask")
         if cache is not None and _layers(cache) is not None and not windowed_call:
@@ -60,6 +60,17 @@ def verify_forward(model, *args, **kwargs):
             )
             return model(*args, **kwargs)
         return _recorded_verify(model, cache, modules, args, kwargs)
+
+
+def _shared_with(model):
+    """What a verify of ``model`` holds while it runs: its first stateful mixer, which a full model shares with its
+    backbone (``target.model``, ``get_decoder()``), so that a verify of one in another thread is refused too; the
+    model itself where it has none."""
+    try:
+        modules = hybrid_linear_modules(model)
+    except UnsupportedModelError:
+        return model  # refused below, in this thread
+    return modules[0][1] if modules else model
 
 
 def _recorded_verify(model, cache, modules, args, kwargs):

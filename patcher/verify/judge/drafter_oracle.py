@@ -27,7 +27,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from .calibration import MULTIPLE, ulp_of
-from .oracle import cache_given
+from .oracle import BackboneCalls, cache_given
 
 #: the drafter's parameters, by role: the spellings forks use (first found wins)
 ROLES = {
@@ -90,6 +90,7 @@ class DrafterRecorder:
             # last of them: what the decode loop really got (the scripted draft's hidden-state mode changes it)
             self.draft.register_forward_hook(self._delivered, with_kwargs=True),
             self.target.register_forward_pre_hook(self._target, with_kwargs=True),
+            *BackboneCalls(self.target, self._target, lambda *_: None).install(),  # a fork that verifies on target.model
         ]
         return self
 

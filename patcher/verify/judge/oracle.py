@@ -10,6 +10,7 @@ position with one from-scratch forward; ``chi_square_test`` judges sampled decod
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Sequence
 
 from . import routers
@@ -87,6 +88,54 @@ def compare(expected: Sequence[int], got: Sequence[int]) -> Verdict:
 LOGIT_TOLERANCE = {"float32": 3e-5, "bfloat16": 0.25, "float16": 0.05}
 
 
+def backbones(target) -> list:
+    """The modules a decoder may call in place of the full target: its ``get_decoder()``, ``target.model`` and the
+    ``language_model`` inside it (a ``ForConditionalGeneration``), each once."""
+    found = []
+    inner = getattr(target, "model", None)
+    for get in (getattr(target, "get_decoder", None), lambda: inner, lambda: getattr(inner, "language_model", None)):
+        try:
+            module = get() if get is not None else None
+        except Exception:  # a model whose get_decoder() cannot say
+            module = None
+        if hasattr(module, "register_forward_hook") and module is not target and all(module is not f for f in found):
+            found.append(module)
+    return found
+
+
+class BackboneCalls:
+    """Hooks that report a decoding forward a fork runs on the target's backbone (``target.model(...)``, then its own
+    ``lm_head``) as if it were a call of the target: only the outermost call among the target and its backbones,
+    never one inside the target's own forward, and with the logits the target's head gives on its last hidden state."""
+
+    def __init__(self, target, before, after):
+        self.target, self.before, self.after = target, before, after
+        self.depth = 0
+
+    def install(self) -> list:
+        handles = []
+        for module in (self.target, *backbones(self.target)):
+            handles.append(module.register_forward_pre_hook(self._enter, with_kwargs=True))
+            handles.append(module.register_forward_hook(self._exit, with_kwargs=True, always_call=True))
+        return handles
+
+    def _enter(self, module, args, kwargs):
+        self.depth += 1
+        if self.depth == 1 and module is not self.target:
+            self.before(module, args, kwargs)
+
+    def _exit(self, module, args, kwargs, output):
+        self.depth -= 1
+        hidden = getattr(output, "last_hidden_state", None)
+        if self.depth or module is self.target or hidden is None or cache_given(kwargs) is None:
+            return  # inside another hooked call, the target's own, or not a decoding step
+        import torch
+
+        with torch.no_grad():
+            logits = self.target.get_output_embeddings()(hidden)
+        self.after(module, args, kwargs, SimpleNamespace(logits=logits, hidden_states=getattr(output, "hidden_states", None)))
+
+
 class LogitsRecorder:
     """Forward hooks on the target that keep what every target forward computed.
 
@@ -108,6 +157,7 @@ class LogitsRecorder:
         self._handles = [
             self.target.register_forward_pre_hook(self._before, with_kwargs=True),
             self.target.register_forward_hook(self._after, with_kwargs=True),
+            *BackboneCalls(self.target, self._before, self._after).install(),
         ]
         self._routes.__enter__()
         return self
