@@ -27,8 +27,8 @@ from typing import Callable, Iterable
 from . import shipped
 from .ci import BISECT_THRESHOLD, HUNK_LINES
 from .engine.recipe import Recipe, builtin_recipes, load_recipe
-from .errors import INPUT_ERRORS, CIError, EngineError, JournalError, RecipeError, VerifierCrash, VerifyError
-from .results import ApplyResult, CIResult, Outcome, Report, RevertResult, StepDoc
+from .errors import INPUT_ERRORS, CIError, EngineError, JournalError, RecipeError, RefereeError, VerifierCrash, VerifyError
+from .results import ApplyResult, CIResult, Outcome, Refereed, Report, RevertResult, StepDoc
 from .verify.models.presets import PRESETS
 
 # The engine (and libcst), the verifier's runner and ci's history are imported by the functions
@@ -269,6 +269,32 @@ def _prompts_options(prompts_file: str | Path, options: dict) -> dict:
         return verify_options(prompts_file, options.get("prompts"))
     except PromptsFileError as exc:
         raise VerifyError(str(exc)) from None
+
+
+# ----------------------------------------------------------------------------- referee
+def referee(engine: str, target: str | Path, draft: str | Path, *, prompts_file: str | Path | None = None, prompts: int | None = None,
+            max_new_tokens: int = 64, budgets=(8, 16), kind: str | None = None, engine_api: str | None = None,
+            dtype: str = "float32", timeout: float = 120.0, progress: Callable[[str], None] | None = None) -> Refereed:
+    """A running engine's speculative decoding beside ddpatch's from-scratch reference, the same pair on the same prompts
+    (``patcher.referee.run``). Bad input (an engine that does not answer or reports no counters, a pair whose tokenizer is
+    not the engine's, a prompt over the context, a bad folder or prompts file) raises one of ``INPUT_ERRORS``."""
+    from .referee.run import referee as run
+    from .verify.models.prompts import PromptsFileError, verify_options
+
+    for flag, folder in (("--target", target), ("--draft", draft)):
+        if not Path(folder).expanduser().is_dir():
+            raise RefereeError(f"{flag} {folder} is not a folder")
+    records = source = None
+    if prompts_file is not None:
+        try:
+            read = verify_options(prompts_file, prompts)
+        except PromptsFileError as exc:
+            raise RefereeError(str(exc)) from None
+        records, source = read["prompt_records"], read["prompts_source"]
+    result = run(engine, str(Path(target).expanduser().resolve()), str(Path(draft).expanduser().resolve()), records=records,
+                 source=source, prompts=prompts, max_new_tokens=max_new_tokens, budgets=tuple(budgets), kind=kind, api=engine_api,
+                 dtype=dtype, timeout_s=timeout, progress=progress)
+    return Refereed(result)
 
 
 # ----------------------------------------------------------------------------- verify --upstream-tests

@@ -24,6 +24,7 @@ from .commands.base import (EXIT_PENDING, FORMAT, Failure, Main, configured, fri
                             recipe_options, report_errors)
 from .commands.ci import ci
 from .commands.env import env as env_command
+from .commands.referee import referee as referee_command
 from .results import EXIT_FAILED, EXIT_INTERNAL, EXIT_OK
 from .verify.models.presets import PRESETS  # the names only: torch is not imported
 
@@ -447,6 +448,7 @@ def revert(path: Path, force: bool, fmt: str) -> None:
 # ----------------------------------------------------------------------------- ci
 main.add_command(ci)
 main.add_command(env_command)
+main.add_command(referee_command)
 
 
 if __name__ == "__main__":  # pragma: no cover

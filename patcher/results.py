@@ -269,6 +269,21 @@ class Outcome:
         return bool(checks) and all(c["passed"] for c in checks) and not self.result.get("fatal")
 
 
+@dataclass
+class Refereed:
+    """``ddpatch referee``'s result: plain data (``patcher.referee.run``), and the exit code its verdict means."""
+
+    result: dict
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.result.get("verdict", {}).get("passed"))
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_OK if self.passed else EXIT_FAILED
+
+
 # ----------------------------------------------------------------------------- ci
 @dataclass
 class CommitEval:

@@ -40,7 +40,8 @@ LAYERS = [
     ("commands",),
     ("api", "config"),
     ("ci",),
-    ("engine", "verify", "referee"),
+    ("referee",),
+    ("engine", "verify"),
     ("lossless",),
     ("generation",),
     ("report",),
@@ -52,13 +53,14 @@ LAYERS = [
 MAY_IMPORT = {
     "__main__": {"cli"},
     "cli": {"commands", "api", "report", "results", "verify", "__init__"},  # verify: the preset names for --preset's choices
-    "commands": {"api", "config", "report", "results", "env", "__init__"},  # the CLI's shared pieces and its ci command
+    "commands": {"api", "config", "report", "results", "errors", "env", "__init__"},  # the CLI's shared pieces; its ci, env and referee commands
     "config": {"engine", "errors", "__init__"},  # settings from ddpatch.toml / [tool.ddpatch]; the default recipe
-    "api": {"ci", "engine", "verify", "results", "errors", "env", "__init__"},
+    "api": {"ci", "referee", "engine", "verify", "results", "errors", "env", "__init__"},
     "ci": {"engine", "verify", "results", "errors", "__init__"},
     "engine": {"results", "errors", "__init__"},
     "verify": {"results", "errors", "lossless", "__init__"},  # lossless: for `verify --generate`
-    "referee": {"results", "errors", "__init__"},  # serving engines' clients and counters: stdlib HTTP, no torch on import
+    "referee": {"verify", "results", "errors", "__init__"},  # engines' clients and counters (stdlib HTTP, no torch on import);
+    # verify: the reference decoders, imported inside functions
     "report": {"results", "env", "__init__"},  # env: the verify header names where transformers stands
     "results": {"__init__"},
     "errors": set(),

@@ -1,3 +1,3 @@
-"""referee: ask a running serving engine (llama.cpp, vLLM, SGLang) for one greedy decode with its own acceptance counters (engines, http) and convert them to one definition (counters).
-May import: patcher.errors, patcher.results and the stdlib only (urllib, http.client, json); never torch at module level, nor the engine, verify, report, api or cli.
+"""referee: a serving engine (llama.cpp, vLLM, SGLang) beside ddpatch's reference: its clients and counters (engines, http, counters), the reference counted as engines count (reference), the verdict (run).
+May import: patcher.verify (the reference decoders, inside functions), patcher.errors, patcher.results and the stdlib; never torch at module level, nor the engine, report, api or cli.
 """

@@ -1,0 +1,125 @@
+"""What a correct DFlash (and DDTree at each budget) reaches with the pair, on the prompts the engine decoded.
+
+ddpatch's from-scratch reference decoders (``patcher.verify.judge.pair_reference``): per prompt, the target's
+greedy continuation, then at every round start the acceptance of the from-scratch decoder and the set a drafter
+within epsilon of it could reach. An engine decodes in another library and precision than torch does, so its
+drafter may sit further from ours than the verifier's epsilon: the referee widens epsilon by ``ENGINE_EPSILON``.
+
+Each round is counted the way serving engines count it, so that the two figures are one definition (mean tokens
+a verification round commits, the bonus included): a round never decides past the tokens asked for, and its
+draft is shortened to the tokens left minus one (llama.cpp's ``n_draft`` clamp); a step with no draft left is a
+plain decode, not a round. Torch and transformers are imported here, inside functions only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: The engine's drafter sits further from ddpatch's torch drafter than two torch runs do (another library, other
+#: kernels, a GGUF's precision): epsilon (the verifier's, from the drafter oracle's tolerance) times this.
+ENGINE_EPSILON = 8.0
+
+
+@dataclass
+class PromptReference:
+    ids: list[int]
+    greedy: list[int]  # the target's greedy continuation (stops at a stop token)
+    stop_at: int | None
+    methods: dict = field(default_factory=dict)  # method -> {"at": [...], "reachable": [[...], ...]}
+
+
+def engine_rounds(at: list[int], n: int, stop_at: int | None = None) -> list[int]:
+    """The rounds of a decode of ``n`` new tokens (the prefill decides the first) that accepts ``at[s]`` at start ``s``,
+    counted as an engine counts them: a round commits at most the ``n - 1 - s`` tokens left, and where only one is left
+    the engine decodes it plainly (no draft: no round)."""
+    s, out = 0, []
+    while n - 1 - s >= 2:
+        a = min(at[s], n - 1 - s)
+        out.append(a)
+        if stop_at is not None and s < stop_at <= s + a:
+            break
+        s += a
+    return out
+
+
+def engine_floor(reachable: list[list[int]], n: int, stop_at: int | None = None, lowest: bool = True) -> float | None:
+    """The lowest (``lowest=False``: the highest) mean of any decode whose round at ``s`` accepts one of
+    ``reachable[s]``, counted as ``engine_rounds`` counts. Exact: over every start, for each number of tokens a decode
+    from there commits, the most (fewest) rounds that commit it. None: no round at all."""
+    pick = max if lowest else min
+    best: dict[int, dict[int, int]] = {}  # start -> {tokens committed from there: most (fewest) rounds}
+    for s in range(n - 1, -1, -1):
+        left = n - 1 - s
+        if left < 2:
+            best[s] = {0: 0}
+            continue
+        ends: dict[int, int] = {}
+        for a in sorted({min(x, left) for x in reachable[s]}):
+            tails = {0: 0} if stop_at is not None and s < stop_at <= s + a else best[s + a]
+            for tokens, rounds in tails.items():
+                key = tokens + a
+                ends[key] = pick(ends[key], rounds + 1) if key in ends else rounds + 1
+        best[s] = ends
+    means = [t / r for t, r in best[0].items() if r]
+    return (min if lowest else max)(means) if means else None
+
+
+def load_pair(target_dir: str, draft_dir: str, dtype: str = "float32", drafter_class=None):
+    """The pair as ddpatch's reference drives it: the target through transformers' auto class, the drafter through
+    ``drafter_class`` (the shipped upstream-shaped DFlash by default: ``shipped_drafter_class``), offline, eval."""
+    import torch
+
+    from ..verify.models.load import bad_folder, load_target
+
+    torch_dtype = getattr(torch, dtype)
+    common = dict(dtype=torch_dtype, local_files_only=True)
+    with bad_folder("--target", target_dir):
+        target = load_target(target_dir, None, common).eval()
+    cls = drafter_class or shipped_drafter_class()
+    with bad_folder("--draft", draft_dir):
+        draft = cls.from_pretrained(draft_dir, attn_implementation="sdpa", **common).eval()
+    return target, draft
+
+
+def shipped_drafter_class():
+    """``DFlashDraftModel`` of the DFlash-shaped code ddpatch ships (``vendored/dflash``), imported under a private
+    name so that it meets no ``dflash`` module of the caller's."""
+    import importlib.util
+    import sys
+
+    from .. import shipped
+
+    name = "_ddpatch_referee_dflash"
+    if name not in sys.modules:
+        folder = shipped("vendored") / "dflash" / "dflash"
+        spec = importlib.util.spec_from_file_location(name, folder / "__init__.py", submodule_search_locations=[str(folder)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return importlib.import_module(f"{name}.model").DFlashDraftModel
+
+
+def references(target, draft, prompts: list[list[int]], max_new_tokens: int, budgets, stop_ids=(), progress=None) -> tuple[list, dict]:
+    """(per prompt a ``PromptReference``, the epsilon used): the target's greedy continuations and, at every start, each
+    method's from-scratch acceptance and reachable set (``dflash``, ``ddtree_tbB``)."""
+    import torch
+
+    from ..verify.judge.drafter_oracle import calibrate
+    from ..verify.judge.pair_reference import epsilon_of, methods_for, prompt_entry
+    from ..verify.judge.reference_decode import ScratchPair
+    from ..verify.models.load import greedy
+
+    block = int(getattr(draft, "block_size", None) or draft.config.block_size)
+    mask = int(draft.mask_token_id)
+    conts = [greedy(target, torch.tensor([p]), max_new_tokens, tuple(stop_ids)) for p in prompts]
+    cal = calibrate(target, draft, torch.tensor([prompts[0]]), conts[0], mask, block)
+    eps = epsilon_of(target, cal.tolerances["output"] * ENGINE_EPSILON)
+    eps["engine_factor"] = ENGINE_EPSILON
+    pair = ScratchPair(target, draft, mask, block)
+    out = []
+    for i, (prompt, cont) in enumerate(zip(prompts, conts)):
+        entry = prompt_entry(pair, prompt, cont, methods_for(budgets), len(cont), eps["logits"], stop_ids)
+        out.append(PromptReference(list(prompt), list(cont), entry["stop_at"], entry["methods"]))
+        if progress is not None:
+            progress(f"reference: prompt {i + 1}/{len(prompts)}")
+    return out, {**eps, "block_size": block, "mask_token_id": mask}
