@@ -243,8 +243,9 @@ def settle(result: dict | None, results: list, cfg: dict) -> dict | None:
         record = modes.get(key, {})
         ran = contexts.get(key)
         if not ran:
-            rows.append({"check": f"coverage: {d['label']}", "passed": True, "info": True,
-                         "evidence": f"no run of {key} was measured (its rows above say why)"})
+            rows.append({"check": f"coverage: {d['label']}", "passed": True, "warning": True,
+                         "evidence": f"no line of {key} was measured: no run of it completed (its rows say why), or the "
+                                     "collector saw none"})
             continue
         roles = record.get("roles") or roles_by_name(tree, (d["file"], d["qualname"]))
         extra = {tree.enclosing(rel, line) for rel, lines in ran.items() if rel in tree.files for line in lines} - {None}
