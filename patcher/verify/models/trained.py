@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parent.parent / "data" / "trained_pair"
+DATA = Path(__file__).resolve().parents[2] / "data" / "trained_pair"  # patcher/data: this file is in verify/models/
 
 #: preset name -> (target folder, draft folder)
 FOLDER_PRESETS = {"trained-qwen3_5": (DATA / "target", DATA / "draft")}
