@@ -127,6 +127,11 @@ def test_the_row_fails_a_cache_edit_behind_a_flag_warns_a_print_and_says_when_ev
     row = coverage_rows.row("fork", fork, every_line(fork), record, sampled=True)
     assert "mode runs: trim_kv=True (FAILED: see its rows)" in row["evidence"]
 
+    record = {"roles": ROLES, "runs": [{"values": {"trim_kv": True}, "passed": True}, {"values": {"block_size": 1}, "passed": True}]}
+    row = coverage_rows.row("fork", fork, every_line(fork, body), record, sampled=True)
+    assert row["passed"] and row["warning"], "every value of what it reads ran, and it still did not: the data decides"
+    assert "behind trim_kv, ran with trim_kv=True: the branch still did not run" in row["evidence"], row["evidence"]
+
     _, verbose = arm(fork, "if verbose:")
     row = coverage_rows.row("fork", fork, every_line(fork, [("fork.py", verbose.first, verbose.last)]), {"roles": ROLES}, True)
     assert row["passed"] and row["warning"], row
@@ -161,6 +166,24 @@ def test_the_lines_after_an_early_return_are_behind_its_test(tmp_path):
     _, items = coverage_rows.findings(dc, {"s.py": {2, 3}})
     (item,) = items
     assert (item.first, item.last, item.guards) == (4, 5, ["temperature"]) and item.test == "after line 3 (if temperature < 1e-05)"
+
+
+def test_mode_runs_are_planned_one_value_at_a_time_then_the_combination_a_branch_still_needs(tmp_path):
+    from patcher.verify.judge.coverage_runs import plan
+
+    both = FORK.replace("if trim:", "if trim_kv and attention == 'tree':")
+    (tmp_path / "fork.py").write_text(both)
+    (tmp_path / "helpers.py").write_text(HELPERS)
+    dc = decoder_code(Tree(tmp_path), ("fork.py", "fork_generate"), ROLES, {"block_size": 4})
+    heads = ("if block_size <= 1:", "if trim_kv and attention", 'if attention == "tree":', "if verbose:", "elif schedule")
+    leave = [("fork.py", a.first, a.last) for a in dc.decoder.arms if any(a.line == line_of(h, both) for h in heads)]
+    leave.append(("helpers.py", 1, 99))  # no default run entered them
+    ran = every_line(dc, leave)
+    runs, not_run = plan(dc, ran, ROLES)
+    assert runs == [{"block_size": 1}, {"trim_kv": True}, {"attention": "tree"}], runs
+    assert set(not_run) == {"verbose", "schedule"} and "prints" in not_run["verbose"]
+    runs, _ = plan(dc, ran, ROLES, tried=runs)
+    assert runs == [{"trim_kv": True, "attention": "tree"}], "the branch reads both: one run with both"
 
 
 def test_the_collector_keeps_each_decoders_lines_apart(tmp_path):

@@ -171,8 +171,11 @@ def classify(items: list, modes: dict, sampled: bool) -> None:
                 f.why[g] = f"not run: an input this verify sets ({ROLE_OPTIONS.get(roles[g], roles[g])})"
             else:
                 f.why[g] = "not run: no value was tried"
+        # every parameter it reads ran with each value a run could give it, and it still did not run: what reaches it
+        # is the data (or a path through the callers), as for a branch no parameter selects
+        exhausted = all(g in [p for r in ran for p in r["values"]] and g not in not_run for g in f.guards)
         excused = all(roles.get(g) in SAMPLING_ROLES and not sampled for g in f.guards)
-        f.unproven = bool(f.sites) and bool(f.guards) and not excused and not f.elsewhere
+        f.unproven = bool(f.sites) and bool(f.guards) and not excused and not exhausted and not f.elsewhere
 
 
 def _values(values: dict) -> str:

@@ -120,16 +120,18 @@ def _lines(contexts: dict, key: str) -> dict:
     return out
 
 
-def plan(dc, ran: dict, roles: dict) -> tuple[list, dict]:
-    """(the runs to try: one value each, then the combinations an unproven branch needs, the values that are not worth
-    a run with the reason) for one decoder, from what its default runs left unrun."""
+def plan(dc, ran: dict, roles: dict, tried: list = ()) -> tuple[list, dict]:
+    """(the runs to try, the parameters not worth a run with the reason) for one decoder, from what its runs so far
+    left unrun: first each value of a mode that guards an unproven branch; once those ran (``tried``), the
+    combination of the modes a branch still unrun reads (``if chain_attention and dynamic_branching:``; ``block_size``
+    stays as verified)."""
     _, items = findings(dc, ran)
     classify(items, {"roles": roles}, True)
     needing = [f for f in items if f.unproven]
     runs, not_run = [], {}
     for p, mode in dc.modes.items():
         if any(p in f.guards for f in needing):
-            runs += [{p: v} for v in mode["values"]]
+            runs += [{p: v} for v in mode["values"] if {p: v} not in tried]
         elif any(p in f.guards for f in items):
             not_run[p] = "behind it only code that cannot change tokens or caches (prints, logging, asserts, raising)"
     for f in needing:
@@ -137,12 +139,11 @@ def plan(dc, ran: dict, roles: dict) -> tuple[list, dict]:
             if g not in dc.modes and g not in not_run and roles.get(g) not in MODE_ROLES:
                 not_run[g] = (f"{roles[g]} is an input this verify sets, not a mode" if g in roles else
                               f"cannot bind: {g} is no bool, Literal or string mode")
-        modes = [g for g in f.guards if g in dc.modes]
-        if len(modes) > 1:
-            combo = {g: dc.modes[g]["values"][0] for g in modes}
-            if combo not in runs:
-                runs.append(combo)
-    return runs, not_run
+        modes = [g for g in f.guards if g in dc.modes and "role" not in dc.modes[g]]
+        combo = {g: dc.modes[g]["values"][0] for g in modes}
+        if tried and len(modes) > 1 and combo not in tried and combo not in runs:
+            runs.append(combo)
+    return runs if not tried else [r for r in runs if len(r) > 1], not_run
 
 
 def mode_runs(cfg: dict, loaded, target, drafts: dict, mask_token_id, prompts, model: dict) -> list[dict]:
@@ -155,7 +156,7 @@ def mode_runs(cfg: dict, loaded, target, drafts: dict, mask_token_id, prompts, m
     tree, rows = Tree(Path(cfg["tree"])), []
     deadline = time.perf_counter() + float(cfg.get("mode_seconds", MODE_SECONDS))
     drafter_names = tuple(loaded.drafters)
-    prompt = prompts[0]
+    prompt = prompts[0].to(target.get_input_embeddings().weight.device)
     max_new, stop_ids = cfg["max_new_tokens"], cfg.get("stop_token_ids") or None
     reference = None
     for method in _one_method_each(loaded, cfg):
@@ -179,10 +180,13 @@ def mode_runs(cfg: dict, loaded, target, drafts: dict, mask_token_id, prompts, m
             record["not_run"] = {p: "the default runs of this decoder did not complete" for p in dc.modes}
             continue
         todo, record["not_run"] = plan(dc, ran, roles)
-        for i, values in enumerate(todo):
-            if i >= budget or time.perf_counter() > deadline:
-                why = "--mode-runs 0" if budget == 0 else f"over budget ({budget} mode runs per decoder, --mode-runs)" if i >= budget else \
-                    f"over budget ({cfg.get('mode_seconds', MODE_SECONDS):g} s of mode runs)"
+        tried: list = []
+        combined = False
+        while todo:
+            values = todo.pop(0)
+            if len(tried) >= budget or time.perf_counter() > deadline:
+                why = "--mode-runs 0" if budget == 0 else f"over budget ({budget} mode runs per decoder, --mode-runs)" \
+                    if len(tried) >= budget else f"over budget ({cfg.get('mode_seconds', MODE_SECONDS):g} s of mode runs)"
                 for p in values:
                     record["not_run"].setdefault(p, why)
                 continue
@@ -190,8 +194,12 @@ def mode_runs(cfg: dict, loaded, target, drafts: dict, mask_token_id, prompts, m
                 reference = greedy(target, prompt, max_new, stop_ids or ())
             run, made = _run(method, values, roles, cfg, target, draft, mask_token_id, prompt, reference, model)
             record["runs"].append(run)
+            tried.append(values)
             rows += made
             emit("progress", done=0, total=1, label=f"{model['model']}: {method.name} with {_text(values)}")
+            if not todo and not combined:  # what one value at a time left unrun: the combinations its tests read
+                combined = True
+                todo = plan(dc, _lines(collector.contexts(), key), roles, tried)[0]
     return rows
 
 
