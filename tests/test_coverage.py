@@ -186,6 +186,17 @@ def test_mode_runs_are_planned_one_value_at_a_time_then_the_combination_a_branch
     assert runs == [{"trim_kv": True, "attention": "tree"}], "the branch reads both: one run with both"
 
 
+def test_a_warning_row_reads_warn_and_passes_the_verdict(capsys):
+    from patcher.report.text import render_verify
+    from patcher.results import Outcome
+
+    row = {"check": "coverage: fork", "passed": True, "warning": True, "evidence": "ran 9/10 lines; never ran: ..."}
+    outcome = Outcome({"tree": "t", "environment": {"transformers": "5.24.0", "torch": "2"}, "checks": [row], "models": []}, 1.0)
+    render_verify(outcome, color="never")
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "coverage: fork" in ln)
+    assert " warn " in line and outcome.passed
+
+
 def test_the_collector_keeps_each_decoders_lines_apart(tmp_path):
     pytest.importorskip("coverage")
     from patcher.verify.judge.coverage_runs import Collector
