@@ -220,6 +220,9 @@ verify_options = _options(
     click.option("--greedy-only", is_flag=True, help="Skip the sampled pass a decoder that takes a temperature gets by default."),
     click.option("--reviewed", multiple=True, type=click.Choice(["noise", "positions", "features"]),
                  help="A drafter input the tree sets differently on purpose, reviewed: reported, not failed (repeatable)."),
+    click.option("--mode-runs", type=click.IntRange(min=0), default=None,
+                 help="Runs per decoder for the values of its mode parameters (bool flags, Literal or string modes) that "
+                      "reach a branch the default runs left unrun (default 4; 0: none; docs/verifier.md#coverage)."),
     click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
                  help="Seconds before the verifier is stopped (> 0)."),
     click.option("--exclude", "exclude", multiple=True, metavar="GLOB",

@@ -148,9 +148,9 @@ def render_html(outcome: Outcome, verdict: str) -> str:
                        f"{' (set by --logit-tolerance)' if cal.get('override') is not None else ''}; near-tie ε {cal['epsilon']:.2e}</p>")
         out.append("<table><tr><th>check</th><th>result</th><th>evidence</th></tr>")
         for c in m["checks"]:
-            mark = ("info" if c.get("info") else "skip" if c.get("skipped") else "pass") if c["passed"] else (
+            mark = ("info" if c.get("info") else "skip" if c.get("skipped") else "warn" if c.get("warning") else "pass") if c["passed"] else (
                 "inconclusive" if c.get("inconclusive") else "FAIL")
-            css = ("info" if c.get("info") or c.get("skipped") else "pass") if c["passed"] else ("inc" if c.get("inconclusive") else "fail")
+            css = ("info" if c.get("info") or c.get("skipped") or c.get("warning") else "pass") if c["passed"] else ("inc" if c.get("inconclusive") else "fail")
             out.append(f"<tr><td>{_e(c['check'])}</td><td class='{css}'>{mark}</td><td>{_e(c.get('evidence', ''))}</td></tr>")
         out.append("</table>")
         if m.get("methods"):

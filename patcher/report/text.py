@@ -289,10 +289,10 @@ def render_verify(outcome: Outcome, color: str = "auto") -> None:
     for col in ("model", "check", "result", "evidence"):
         checks.add_column(col, overflow="fold")
     for c in res.get("checks", []):
-        checks.add_row("-", c["check"], _mark(c["passed"], c.get("control"), c.get("skipped"), c.get("info")), _evidence(c))
+        checks.add_row("-", c["check"], _mark(c["passed"], c.get("control"), c.get("skipped"), c.get("info"), c.get("warning")), _evidence(c))
     for m in res.get("models", []):
         for c in m["checks"]:
-            checks.add_row(m["model"], c["check"], _mark(c["passed"], c.get("control"), c.get("skipped"), c.get("info")), _evidence(c))
+            checks.add_row(m["model"], c["check"], _mark(c["passed"], c.get("control"), c.get("skipped"), c.get("info"), c.get("warning")), _evidence(c))
     print_table(con, checks)
     for m in res.get("models", []):
         if not m.get("methods"):
@@ -364,16 +364,19 @@ def verify_verdict(outcome: Outcome) -> str:
     return "[bold red]FAIL[/]: see the failed checks above"
 
 
-def _mark(passed: bool, control: bool = False, skipped: bool = False, info: bool = False) -> str:
+def _mark(passed: bool, control: bool = False, skipped: bool = False, info: bool = False, warning: bool = False) -> str:
     """pass / FAIL; a control row (it passes whatever it shows, e.g. verify --generate's native run) says so, and
     so does a check that could not judge (the drafter oracle on a drafter it cannot bind: ``skip``, never a pass),
-    and a figure reported with nothing to judge it against (acceptance without a stored floor: ``info``)."""
+    and a figure reported with nothing to judge it against (acceptance without a stored floor: ``info``), and a
+    finding that does not fail the verdict (code no run executed, none of it able to change tokens: ``warn``)."""
     if control and passed:
         return "[cyan]control[/]"
     if info and passed:
         return "[blue]info[/]"
     if skipped and passed:
         return "[yellow]skip[/]"
+    if warning and passed:
+        return "[yellow]warn[/]"
     return "[green]pass[/]" if passed else "[bold red]FAIL[/]"
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-from . import acceptance_verdict as accept, calibration, drafter_oracle, neartie, oracle, pair_reference, routers
+from . import acceptance_verdict as accept, calibration, coverage_runs, drafter_oracle, neartie, oracle, pair_reference, routers
 from ..subjects.binding import call_generate, unsupported_sampling
 from ..plumbing.events import emit, error_summary
 from ..models.load import greedy, multi_token_consistent
@@ -153,7 +153,7 @@ def verify_model(label: str, cfg: dict, loaded, target, drafts: dict, mask_token
         dcal, draft_skip = dcals.get(method.drafter, (None, "target-only: no drafter"))
         drafted = drafter_oracle.DrafterRecorder(draft, target) if logits and draft is not None and draft_skip is None else None
         try:
-            with recorder if logits else contextlib.nullcontext(), drafted or contextlib.nullcontext():
+            with recorder if logits else contextlib.nullcontext(), drafted or contextlib.nullcontext(), coverage_runs.measuring(method):
                 new, acceptance, secs = call_generate(
                     method.callable_for(draft), model=draft, target=target, input_ids=prompt, mask_token_id=mask_token_id,
                     max_new_tokens=max_new_tokens, block_size=block_size, stop_token_ids=stop_ids, tree_budget=method.budget,

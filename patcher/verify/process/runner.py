@@ -28,7 +28,7 @@ from ...errors import VerifierCrash, VerifyError
 from ...results import Outcome
 from ..subjects import decoders
 from . import exitstatus
-from ..judge import rows
+from ..judge import coverage_rows, rows
 from ..models.folders import FolderError, check_pair
 from ..models.trained import FOLDER_PRESETS, folder_preset_options, pair_options
 from .warm import PARENT_ENV
@@ -45,6 +45,7 @@ DEFAULTS = dict(
     max_new_tokens=32,
     block_size=4,
     tree_budgets=[4, 8],
+    mode_runs=4,  # coverage: runs per decoder for its mode parameters' other values (judge/coverage_runs.py)
 )
 #: Folder presets a default verify runs beside the random preset: the trained pair judges acceptance, so that a tree
 #: that keeps every token but builds its tree wrong (and loses the speedup) fails what users run.
@@ -112,7 +113,7 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
         finally:
             for child in children:
                 child.kill()
-    result = rows.settle_rollback(merged(results))
+    result = coverage_rows.settle(rows.settle_rollback(merged(results)), results, cfg)  # one coverage row per decoder
     seconds = time.perf_counter() - start
     if result is None:
         if death is None:

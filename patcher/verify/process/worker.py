@@ -154,6 +154,9 @@ def run(cfg: dict) -> dict:
             prompts = models.random_prompts(pass_cfg["prompts"] * len(pass_cfg["seeds"]), cfg["prompt_len"], cfg["seeds"][0], mask)
             label = preset if not sampled.get("sampled_pass") else f"{preset} (sampled)"
             result["models"].append(checks.verify_model(label, pass_cfg, loaded, target, drafts, mask, True, prompts, notes=notes))
+            if not sampled:  # coverage: the decoders' mode parameters get runs of their own (judge/coverage_runs.py)
+                result["models"][-1]["checks"] += sibling("judge.coverage_runs").mode_runs(pass_cfg, loaded, target, drafts, mask,
+                                                                                           prompts[:1], result["models"][-1])
     for pair in cfg.get("pairs") or ():
         pair_cfg = {**cfg, **pair}
         target, drafts, mask, notes = models.load_real(pair_cfg, loaded.drafters, loaded.primary)
@@ -202,7 +205,10 @@ def answer(cfg: dict, blocker: NoDdpatch) -> None:
     """Judge one tree and print the final ``result`` event."""
     events = sibling("plumbing.events")
     try:
+        coverage = sibling("judge.coverage_runs")  # every decoder call runs under line coverage
+        coverage.start(cfg)
         result = run(cfg)
+        result["coverage"] = coverage.collected()
         leaked = ddpatch_modules()
         if blocker.attempts or leaked:
             result.setdefault("checks", []).append({

@@ -147,9 +147,11 @@ def required_for(kind: str, drafter_method: bool) -> tuple[str, ...]:
 
 
 def call_generate(fn, *, model, target, input_ids, mask_token_id, max_new_tokens, block_size, stop_token_ids,
-                  tree_budget=None, sampling: dict | None = None, strict: bool = True, required=REQUIRED_ROLES):
+                  tree_budget=None, sampling: dict | None = None, strict: bool = True, required=REQUIRED_ROLES,
+                  extra: dict | None = None):
     """Call a decoder of any layout or fork (``dflash_generate``, ``ddtree_generate``, a drafter's method, a
-    target-only loop), bound by its signature."""
+    target-only loop), bound by its signature. ``extra``: more keyword arguments by parameter name (a mode run's
+    ``trim_kv=True``); a name the decoder does not take is a BindError."""
     values = dict(
         draft=model, target=target, input_ids=input_ids, mask_token_id=mask_token_id, max_new_tokens=max_new_tokens,
         block_size=block_size, stop_token_ids=stop_token_ids, temperature=0.0, tree_budget=tree_budget, return_stats=True,
@@ -162,6 +164,11 @@ def call_generate(fn, *, model, target, input_ids, mask_token_id, max_new_tokens
     if unsupported and strict:
         raise BindError(f"{getattr(fn, '__name__', fn)} takes no {', '.join(unsupported)} parameter")
     kwargs = {name: values[role] for name, role in roles.items() if role in values and (values[role] is not None or role == "stop_token_ids")}
+    if extra:
+        unknown = [k for k in extra if k not in inspect.signature(fn).parameters]
+        if unknown:
+            raise BindError(f"{getattr(fn, '__name__', fn)} takes no {', '.join(unknown)} parameter")
+        kwargs.update(extra)
     positional_only = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.POSITIONAL_ONLY]
     args = [kwargs.pop(name) for name in positional_only if name in kwargs]
     start = time.perf_counter()
