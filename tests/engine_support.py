@@ -334,36 +334,53 @@ def tokens_per_round(result: dict) -> float:
 
 
 # ----------------------------------------------------------------------------- the figures in docs/engines.md
-def main() -> int:
-    """Serves the shipped pair as the tests do (correct, then each broken engine) and prints, per prompt, what
-    llama-server counted beside the reference: ``python3 tests/engine_support.py`` (after .ci/llama-server)."""
+VARIANTS = {  # name -> (target layers written into the drafter GGUF or None, --spec-draft-n-max)
+    "correct": (None, TRAINED_N_MAX),
+    "clamped": (None, 15),  # more than the block allows: llama.cpp clamps it to 7
+    "wrong-order": ([7, 5, 2], TRAINED_N_MAX),
+    "off-by-one": ([1, 4, 6], TRAINED_N_MAX),  # the converter's + 1 forgotten
+    "default-n-max": (None, 3),  # llama-server's default
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serves the shipped pair as the tests do and prints, per prompt, what llama-server counted beside the
+    reference: ``python3 tests/engine_support.py [--outtype f16] [--only correct ...]`` (after .ci/llama-server)."""
+    import argparse
     import statistics
 
-    llama = find_llama()
-    start = time.monotonic()
-    target, draft = convert_pair(llama)
-    print(f"pair converted: {target.parent} ({time.monotonic() - start:.0f} s)")
-    floor = load_floor()
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--outtype", default="f32", choices=["f32", "f16", "bf16"])
+    parser.add_argument("--only", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    args = parser.parse_args(argv)
+    llama, floor = find_llama(), load_floor()
+    target, draft = convert_pair(llama, outtype=args.outtype)
     work = Path(tempfile.mkdtemp(prefix="engine-figures-"))
-    shifted = drafter_with(llama, draft, "dflash.target_layers", [1, 4, 6], work / "draft-shifted.gguf")
-    variants = [("correct (--spec-draft-n-max 7)", draft, {}), ("--spec-draft-n-max 15 (clamped)", draft, {"n_max": 15}),
-                ("target layers [1, 4, 6] (off by one)", shifted, {}), ("--spec-draft-n-max 3 (the default)", draft, {"n_max": 3})]
-    for name, drafter, options in variants:
-        start = time.monotonic()
-        with serve(llama, target, drafter, log_dir=work, **options) as server:
-            results = [server.measured(p["ids"], 64) for p in floor["prompts"]]
-        print(f"\n{name}: {time.monotonic() - start:.1f} s")
-        print("prompt  exact  rounds  draft_n  accepted  engine/round  reference/round  counters as a correct DFlash")
-        for i, (r, p) in enumerate(zip(results, floor["prompts"])):
-            got = {"rounds": r["rounds"], "draft_n": r["timings"]["draft_n"], "draft_n_accepted": r["timings"]["draft_n_accepted"]}
-            print(f"{i:>6}  {str(r['tokens'] == p['greedy'][:64]):>5}  {r['rounds']:>6}  {got['draft_n']:>7}  {got['draft_n_accepted']:>8}"
-                  f"  {tokens_per_round(r):>12.2f}  {statistics.fmean(p['methods']['dflash']['reference_decode']):>15.2f}"
-                  f"  {got == expected_counters(p['methods']['dflash']['at'], 64)}")
-        rounds = sum(r["rounds"] for r in results)
-        accepted = sum(r["timings"]["draft_n_accepted"] for r in results)
-        reference = [a for p in floor["prompts"] for a in p["methods"]["dflash"]["reference_decode"]]
-        print(f"overall: {1 + accepted / rounds:.2f} tokens a round (engine), {statistics.fmean(reference):.2f} (reference's decode)")
-    shutil.rmtree(work, ignore_errors=True)
+    try:
+        for name in args.only:
+            layer_ids, n_max = VARIANTS[name]
+            drafter = draft if layer_ids is None else drafter_with(llama, draft, "dflash.target_layers", layer_ids, work / f"{name}.gguf")
+            start = time.monotonic()
+            with serve(llama, target, drafter, n_max=n_max, log_dir=work) as server:
+                results = [server.measured(p["ids"], 64) for p in floor["prompts"]]
+            print(f"\n{name} ({args.outtype}, --spec-draft-n-max {n_max}{'' if layer_ids is None else f', target layers {layer_ids}'}):"
+                  f" {time.monotonic() - start:.1f} s")
+            print("prompt  greedy  rounds  draft_n  accepted  tokens/round  reference's decode  counters of a correct DFlash")
+            for i, (r, p) in enumerate(zip(results, floor["prompts"])):
+                got = {"rounds": r["rounds"], "draft_n": r["timings"]["draft_n"], "draft_n_accepted": r["timings"]["draft_n_accepted"]}
+                first = next((j for j, (a, b) in enumerate(zip(r["tokens"], p["greedy"])) if a != b), None)
+                print(f"{i:>6}  {'exact' if first is None else f'at {first}':>6}  {r['rounds']:>6}  {got['draft_n']:>7}  {got['draft_n_accepted']:>8}"
+                      f"  {tokens_per_round(r):>12.2f}  {statistics.fmean(p['methods']['dflash']['reference_decode']):>18.2f}"
+                      f"  {got == expected_counters(p['methods']['dflash']['at'], 64)}")
+            rounds = sum(r["rounds"] for r in results)
+            accepted = sum(r["timings"]["draft_n_accepted"] for r in results)
+            reference = [a for p in floor["prompts"] for a in p["methods"]["dflash"]["reference_decode"]]
+            print(f"all 8: {1 + accepted / rounds:.2f} tokens a round ({rounds} rounds), the reference's decode "
+                  f"{statistics.fmean(reference):.2f} ({len(reference)} rounds); per-prompt means "
+                  f"{statistics.fmean(tokens_per_round(r) for r in results):.2f} and "
+                  f"{statistics.fmean(statistics.fmean(p['methods']['dflash']['reference_decode']) for p in floor['prompts']):.2f}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
