@@ -107,7 +107,19 @@ def run(path: str | Path, recipe: str | Recipe = DEFAULT_RECIPE, select=None, ig
     survey = "report" if select is not None else "require"
     recipe = select_steps(recipe, select, ignore)
     return run_recipe(recipe, Path(path), upstream=upstream, jobs=jobs or os.cpu_count() or 1, progress=progress,
-                      exclude=tuple(exclude or ()), survey=survey, include_vendored=include_vendored)
+                      exclude=tuple(exclude or ()), survey=survey, include_vendored=include_vendored, list_decoders=decoders_verify_finds)
+
+
+def decoders_verify_finds(root: Path, exclude: tuple[str, ...]) -> dict[str, str]:
+    """File -> the decoders ``verify`` finds in it (``patcher.verify.decoders``, stdlib ``ast``; nothing is imported from
+    the tree): the engine may not import the verifier, so the API hands this to it, and check's ``decoders:`` line names
+    what verify runs."""
+    from .verify.decoders import inventory
+
+    out: dict[str, list[str]] = {}
+    for d in inventory(root, tuple(exclude)).decoders:
+        out.setdefault(d.file, []).append(f"`{d.qualname}`" + (f" (through `{d.loop}`)" if d.loop else ""))
+    return {file: "verify finds " + ", ".join(names) for file, names in out.items()}
 
 
 def require_code(report: Report) -> None:
@@ -310,17 +322,15 @@ def require_decoder(path: str | Path, exclude: Iterable[str] = ()) -> None:
     recipe = load_recipe(DEFAULT_RECIPE)
     root = Path(path).resolve()
     paths, _, _ = discover(root, recipe, exclude=tuple(exclude))
-    texts, where = {}, {}
+    texts, defined = {}, set()
     for p in paths:
         try:
             text = p.read_text(encoding="utf-8", errors="replace")
         except OSError:
             continue
-        rel = p.relative_to(root).as_posix()
-        texts[rel] = text
-        for name in defined_functions(text):
-            where.setdefault(name, rel)
-    found = survey(texts, recipe, recipe.detect_upstream(set(where)), where)
+        texts[p.relative_to(root).as_posix()] = text
+        defined.update(defined_functions(text))
+    found = survey(texts, recipe, recipe.detect_upstream(defined))
     if not found.decoders:
         try:
             refuse(found, recipe, root)

@@ -212,7 +212,8 @@ def test_a_tree_with_no_decoder_is_one_line_on_every_command(tmp_path, command):
     [line] = result.stderr.strip().splitlines()
     assert result.exit_code == 2 and result.stdout == ""
     assert line == (f"ddpatch: error: no DDTree/DFlash decoder found in {tree.resolve()} (looked for the functions "
-                    "_dflash_generate, ddtree_generate, dflash_generate, and a function that hands a drafter `target_hidden`)")
+                    "_dflash_generate, ddtree_generate, dflash_generate, and a function that hands a drafter `target_hidden` in a "
+                    "decode loop or beside a cache)")
     payload = json.loads(run(command, tree, *(RECIPE if command != "verify" else []), "--format", "json").stdout)
     assert payload["exit_code"] == 2 and payload["error"] == line.removeprefix("ddpatch: error: ")
 
