@@ -425,7 +425,8 @@ def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: in
     texts = {f.path: f.original for f in files if f.original is not None}
     steps = classify(recipe, upstream, files, texts)
     missing = sorted(a for a in (recipe.upstreams[upstream].anchors if upstream else ()) if a not in defined)
-    listed = list_decoders(root, exclude) if found is not None and list_decoders is not None and root.is_dir() else {}
+    left = (*exclude, *excluded, *(f"{v.path}/" for v in vendored if v.left_out))  # what the run did not cover is not searched
+    listed = list_decoders(root, left) if found is not None and list_decoders is not None and root.is_dir() else {}
     report = Report(recipe, root, upstream, files + skipped, steps, missing, vendored, decoders=shown_decoders(found, listed, files),
                     exclude=exclude, excluded=excluded)
     mark_skipped(report)

@@ -102,8 +102,11 @@ def survey(texts: dict[str, str], recipe: Recipe, upstream: str | None) -> Surve
         if rel in out.not_torch or any(rel.startswith(f + "/") for f in out.engine_folders):
             continue
         marker = defs.search(text) if defs is not None and any(m in text for m in firsts) else None
-        why, proposer = (f"defines `{marker.group(1)}`", None) if marker else decoder_function(text, why_not=True) \
-            if _DECODER_TEXT.search(text) else (None, None)
+        why, proposer = None, None
+        if marker:
+            why = f"defines `{marker.group(1)}`"
+        elif _DECODER_TEXT.search(text):
+            why, proposer = decoder_function(text, why_not=True)
         if (why or proposer) and rel in numpy:
             out.not_torch[rel] = numpy[rel]
         elif why:
@@ -117,6 +120,8 @@ def array_framework(text: str) -> tuple[str, str] | None:
     """(framework, module) where ``text`` imports, anywhere in it, an array framework other than torch (MLX, JAX, numpy)
     and neither torch, transformers nor accelerate; else None. Read with a regular expression (stdlib only): verify's
     decoder search can apply the same rule (``patcher.verify.decoders``)."""
+    if not any(name in text for name in ("mlx", "jax", "flax", "numpy")):  # most files: no regular expression run
+        return None
     other = None
     for m in _IMPORTS.finditer(text):
         modules = [m.group(1)] if m.group(1) else [part.split(" as ")[0].strip() for part in m.group(2).split(",")]
