@@ -135,7 +135,8 @@ def test_apply_allow_partial_writes_no_torch_runtime_call_into_mlx_code(tmp_path
     assert not (tmp_path / "out").exists()
     # --upstream says what to run, on any tree: the MLX file is still left out, said so, and never written
     forced = run("apply", tree, *RECIPE, "--upstream", "dflash", "--allow-partial", "--out", tmp_path / "forced")
-    assert forced.exit_code == 1 and "left out (MLX code, not torch: the recipe writes torch runtime calls): 1 file(s): port/generate.py" in forced.stdout
+    assert forced.exit_code == 1
+    assert "left out (MLX code, not torch: the recipe writes torch runtime calls): 1 file(s): port/generate.py" in forced.stdout
     assert (tmp_path / "forced" / "port" / "generate.py").read_text() == (tree / "port" / "generate.py").read_text()
     assert not list((tmp_path / "forced").rglob("_ddpatch_runtime*"))
 
@@ -207,7 +208,8 @@ def legacy_tree(tmp_path: Path) -> Path:
     utils = tree / "model" / "utils.py"
     utils.write_text(utils.read_text() + "\n\n" + timer)
     bench = tree / "benchmark.py"
-    bench.write_text(bench.read_text().replace("from ddtree import ddtree_generate\n", "").replace("import os\n", "import os\nimport absent_plotting\n", 1))
+    text = bench.read_text().replace("from ddtree import ddtree_generate\n", "")
+    bench.write_text(text.replace("import os\n", "import os\nimport absent_plotting\n", 1))
     return tree
 
 

@@ -33,7 +33,7 @@ from .codemods.base import IN_PACKAGE, PATCHED, place, site_positions
 from .files import add_runtime_files, defined_functions, not_regular, read_file, read_provenance, write_provenance
 from .prefilter import prefilter, prefilter_tree  # noqa: F401  (stage 2; tests import them from here)
 from .recipe import Recipe, StepSpec
-from .survey import leave_out, leaves_out, reached_by_decoders, refuse, shown_decoders, suggest_excludes
+from .survey import leave_out, leaves_out, reached_by_decoders, refuse, shown_decoders, suggest_excludes, unsearched
 from .survey import survey as survey_tree
 from .vendored import DecoderSignals, settle, vendored_reason
 
@@ -425,7 +425,7 @@ def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: in
     texts = {f.path: f.original for f in files if f.original is not None}
     steps = classify(recipe, upstream, files, texts)
     missing = sorted(a for a in (recipe.upstreams[upstream].anchors if upstream else ()) if a not in defined)
-    left = (*exclude, *excluded, *(f"{v.path}/" for v in vendored if v.left_out))  # what the run did not cover is not searched
+    left = unsearched(exclude, excluded, skipped, vendored, SKIP_DIRS)
     listed = list_decoders(root, left) if found is not None and list_decoders is not None and root.is_dir() else {}
     report = Report(recipe, root, upstream, files + skipped, steps, missing, vendored, decoders=shown_decoders(found, listed, files),
                     exclude=exclude, excluded=excluded)

@@ -234,6 +234,15 @@ def refuse(found: Survey, recipe: Recipe, root: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- after the steps
+def unsearched(exclude, excluded: dict[str, str], skipped: list, vendored: list, skip_dirs) -> tuple[str, ...]:
+    """``--exclude`` patterns for verify's decoder search (``shown_decoders``'s listing) that keep it to what the run read:
+    a file that was not read (a FIFO would block the search), the folders discovery skips (a venv would cost it minutes)
+    or left out as vendored, and the files left out in folders (one at the root would read as a name anywhere: the
+    listing drops it after)."""
+    return (*exclude, *(d for d in skip_dirs if not d.startswith(".")), "*.egg-info", *(f.path for f in skipped),
+            *(p for p in excluded if "/" in p), *(f"{v.path}/" for v in vendored if v.left_out))
+
+
 def shown_decoders(found: Survey | None, listed: dict[str, str], files: list) -> dict[str, str]:
     """The decoders a report names: those ``listed`` (verify's own search, through the API) in the files the run
     covered (not left out, not an engine's, not code that is not torch); else, or without a listing, the survey's."""

@@ -22,7 +22,8 @@ COMPACT = "        compact_dynamic_cache(past_key_values_target, start, path)\n"
 # ---------------------------------------------------------------- a flag that trims the target cache (ddtree)
 def _flag(root: Path, body: str) -> None:
     t.edit(root, TREE,
-           ("    tree_budget: int | None = None,\n) -> SimpleNamespace:", "    tree_budget: int | None = None, trim_kv: bool = False,\n) -> SimpleNamespace:"),
+           ("    tree_budget: int | None = None,\n) -> SimpleNamespace:",
+            "    tree_budget: int | None = None, trim_kv: bool = False,\n) -> SimpleNamespace:"),
            (COMPACT, COMPACT + "        if trim_kv:  # keep only what was committed, in place\n"
                               "            for layer in past_key_values_target.layers:\n" + body))
 
@@ -85,7 +86,8 @@ def claims_draft_trim(root: Path, original: Path) -> None:
 # ---------------------------------------------------------------- batch selection on the target's cache (dflash)
 def build_batch_select(root: Path) -> None:
     t.edit(root, FL,
-           ("    top_p: float = 1.0, top_k: int = 0,\n):", "    top_p: float = 1.0, top_k: int = 0, keep_rows: Optional[torch.Tensor] = None,\n):"),
+           ("    top_p: float = 1.0, top_k: int = 0,\n):",
+            "    top_p: float = 1.0, top_k: int = 0, keep_rows: Optional[torch.Tensor] = None,\n):"),
            ("        start += run + 1\n        target_cache.crop(start)\n",
             "        start += run + 1\n        target_cache.crop(start)\n"
             "        if keep_rows is not None:  # a batched run drops the finished prompts\n"

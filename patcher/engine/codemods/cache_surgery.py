@@ -42,7 +42,8 @@ import ast
 
 import libcst as cst
 
-from .base import APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, FunctionStack, Step, ast_dotted, ast_nodes, code, dotted, is_runtime_call, runtime_call
+from .base import (APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, FunctionStack, Step, ast_dotted, ast_nodes, code, dotted,
+                   is_runtime_call, runtime_call)
 from .cache_surgery_shapes import calls_in, contains, in_place, loop_head, mutates, peel, prefix_stop, same
 from .flow import CACHE, DRAFT_CACHE, TARGET_CACHE, ModuleFlow, is_role, names_in
 
@@ -314,12 +315,10 @@ class CacheSurgery(FunctionStack, Step):
         if layer is not None:
             self._layers[-1][layer] = cache
         stop = self._exact_trim(node, cache, layer, index)
-        if stop is not None:
-            decision = self._trim_decision(cache)
-            if decision is not None:
-                self.rewrite[node] = (cache, stop)
-                self._skip += 1
-                return
+        if stop is not None and not (self._draft(cache) and self._bare(cache)):  # the draft's bare cache: fixed-upstream, below
+            self.rewrite[node] = (cache, stop)
+            self._skip += 1
+            return
         self._loops.append([node, cache, None])
 
     def leave_For(self, original_node: cst.For, updated_node: cst.For) -> cst.BaseStatement:
@@ -332,20 +331,17 @@ class CacheSurgery(FunctionStack, Step):
                 self._report(node, cache, first, loop_head(node))
         return updated_node
 
-    def _trim_decision(self, cache: cst.BaseExpression) -> str | None:
-        """How the exact trim on ``cache`` is said: None when it is left alone (the draft's bare cache: fixed-upstream)."""
-        if self._draft(cache) and self._bare(cache):
-            return None
-        return APPLIED
-
     def _rewrite(self, original: cst.For, updated: cst.For) -> cst.BaseStatement:
         cache, stop = self.rewrite[original]
         flag = self._flag(original)
-        owner = "the draft's cache, built from a config (a sliding layer keeps only its window: crop cuts it by its own rule)" \
-            if self._draft(cache) else self._owner(cache)
+        if self._draft(cache):
+            owner = "the draft's cache, built from a config"
+            why = "a sliding-window layer keeps only its window, so a slice by position cuts the wrong tokens"
+        else:
+            owner, why = self._owner(cache), _HYBRID
         self.record(original, APPLIED, f"`{loop_head(original)}` cuts each layer's keys and values to `[..., :{code(stop)}, :]` by hand, "
-                                       f"on {owner} -> `crop_cache({code(cache)}, {code(stop)})`: {_HYBRID}; crop_cache cuts every "
-                                       f"layer and commits the recurrent state a recorded verify left{flag}")
+                                       f"on {owner} -> `crop_cache({code(cache)}, {code(stop)})`: {why}; crop_cache cuts every layer by "
+                                       f"its own rule and commits the recurrent state a recorded verify left{flag}")
         call = runtime_call(self, self.params["helper"], [cst.Arg(cache), cst.Arg(stop)])
         return cst.SimpleStatementLine(
             body=[cst.Expr(call)], leading_lines=updated.leading_lines,

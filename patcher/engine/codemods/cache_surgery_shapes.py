@@ -10,7 +10,8 @@ from .base import code, dotted
 
 
 def peel(expr: cst.BaseExpression) -> list[cst.BaseExpression]:
-    """``expr`` and what it is read from: ``a.keys.narrow(...)[0]`` -> itself, ``a.keys.narrow(...)``, ``a.keys.narrow``, ``a.keys``, ``a``."""
+    """``expr`` and what it is read from: ``a.keys.narrow(...)[0]`` -> itself, ``a.keys.narrow(...)``, ``a.keys.narrow``,
+    ``a.keys``, ``a``."""
     out = [expr]
     while isinstance(expr, (cst.Attribute, cst.Call, cst.Subscript)):
         expr = expr.value if isinstance(expr, (cst.Attribute, cst.Subscript)) else expr.func
