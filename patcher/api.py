@@ -29,7 +29,7 @@ from .ci import BISECT_THRESHOLD, HUNK_LINES
 from .engine.recipe import Recipe, builtin_recipes, load_recipe
 from .errors import INPUT_ERRORS, CIError, EngineError, JournalError, RecipeError, RefereeError, VerifierCrash, VerifyError
 from .results import ApplyResult, CIResult, Outcome, Refereed, Report, RevertResult, StepDoc
-from .verify.models.presets import PRESETS
+from .verify.models.load.load.presets import PRESETS
 
 # The engine (and libcst), the verifier's runner and ci's history are imported by the functions
 # that run them, so that importing this module, and ``ddpatch --help`` above it, stays cheap.
@@ -107,7 +107,19 @@ def run(path: str | Path, recipe: str | Recipe = DEFAULT_RECIPE, select=None, ig
     survey = "report" if select is not None else "require"
     recipe = select_steps(recipe, select, ignore)
     return run_recipe(recipe, Path(path), upstream=upstream, jobs=jobs or os.cpu_count() or 1, progress=progress,
-                      exclude=tuple(exclude or ()), survey=survey, include_vendored=include_vendored)
+                      exclude=tuple(exclude or ()), survey=survey, include_vendored=include_vendored, list_decoders=decoders_verify_finds)
+
+
+def decoders_verify_finds(root: Path, exclude: tuple[str, ...]) -> dict[str, str]:
+    """File -> the decoders ``verify`` finds in it (``patcher.verify.subjects.decoders``, stdlib ``ast``; nothing is imported from
+    the tree): the engine may not import the verifier, so the API hands this to it, and check's ``decoders:`` line names
+    what verify runs."""
+    from .verify.subjects.decoders import inventory
+
+    out: dict[str, list[str]] = {}
+    for d in inventory(root, tuple(exclude)).decoders:
+        out.setdefault(d.file, []).append(f"`{d.qualname}`" + (f" (through `{d.loop}`)" if d.loop else ""))
+    return {file: "verify finds " + ", ".join(names) for file, names in out.items()}
 
 
 def require_code(report: Report) -> None:
@@ -237,7 +249,7 @@ def verify(path: str | Path, timeout: float = 600.0, progress: Callable[[dict], 
     """Run the tree's own decoders in a child process and judge them (options: the keys of ``patcher.verify.process.runner.DEFAULTS``,
     ``target``/``draft`` folders, ``scripted_draft``, ``temperature``, ...). ``upstream_tests``: also run the tree's own
     tests before and after the patch (the unpatched tree: ``original``, else the in-place apply's journal).
-    ``prompts_file``: decode the models with a tokenizer on these prompts (``patcher.verify.models.prompts``); the
+    ``prompts_file``: decode the models with a tokenizer on these prompts (``patcher.verify.models.load.load.prompts``); the
     first ``prompts`` of them, else its default."""
     from .verify.process.runner import run_verify
 
@@ -257,8 +269,8 @@ def verify(path: str | Path, timeout: float = 600.0, progress: Callable[[dict], 
 def _prompts_options(prompts_file: str | Path, options: dict) -> dict:
     """``prompt_records`` and ``prompts_source`` for the child, read and checked here: bad input is one line before any
     child starts. A random preset decodes random token ids (it has no tokenizer): a file needs a model that reads text."""
-    from .verify.models.prompts import PromptsFileError, verify_options
-    from .verify.models.trained import FOLDER_PRESETS
+    from .verify.models.load.load.prompts import PromptsFileError, verify_options
+    from .verify.models.load.load.trained import FOLDER_PRESETS
 
     presets = options.get("presets") or ()
     if not options.get("target") and presets and not any(p in FOLDER_PRESETS for p in presets):
@@ -279,7 +291,7 @@ def referee(engine: str, target: str | Path, draft: str | Path, *, prompts_file:
     (``patcher.referee.run``). Bad input (an engine that does not answer or reports no counters, a pair whose tokenizer is
     not the engine's, a prompt over the context, a bad folder or prompts file) raises one of ``INPUT_ERRORS``."""
     from .referee.run import referee as run
-    from .verify.models.prompts import PromptsFileError, verify_options
+    from .verify.models.load.load.prompts import PromptsFileError, verify_options
 
     for flag, folder in (("--target", target), ("--draft", draft)):
         if not Path(folder).expanduser().is_dir():
@@ -357,17 +369,15 @@ def require_decoder(path: str | Path, exclude: Iterable[str] = ()) -> None:
     recipe = load_recipe(DEFAULT_RECIPE)
     root = Path(path).resolve()
     paths, _, _ = discover(root, recipe, exclude=tuple(exclude))
-    texts, where = {}, {}
+    texts, defined = {}, set()
     for p in paths:
         try:
             text = p.read_text(encoding="utf-8", errors="replace")
         except OSError:
             continue
-        rel = p.relative_to(root).as_posix()
-        texts[rel] = text
-        for name in defined_functions(text):
-            where.setdefault(name, rel)
-    found = survey(texts, recipe, recipe.detect_upstream(set(where)), where)
+        texts[p.relative_to(root).as_posix()] = text
+        defined.update(defined_functions(text))
+    found = survey(texts, recipe, recipe.detect_upstream(defined))
     if not found.decoders:
         try:
             refuse(found, recipe, root)

@@ -74,9 +74,12 @@ class ImportIssue:
     module: str
     message: str
     blocking: bool
+    #: in a file the decoders import (blocking, or a module merely not installed here)
+    reached: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "line": self.line, "module": self.module, "message": self.message, "blocking": self.blocking}
+        return {"path": self.path, "line": self.line, "module": self.module, "message": self.message, "blocking": self.blocking,
+                "reached": self.reached}
 
 
 @dataclass

@@ -30,8 +30,9 @@ STEPS = [
     "draft-sliding-window",
     "tree-commit",
 ]
-#: every step of the recipe; removed-cache-api has no anchors and speaks only where it finds a site (none in vendored/)
-RECIPE_STEPS = [*STEPS[:3], "removed-cache-api", *STEPS[3:]]
+#: every step of the recipe; removed-cache-api and cache-surgery have no anchors and speak only where they find a site
+#: (none in vendored/)
+RECIPE_STEPS = [*STEPS[:3], "removed-cache-api", "cache-surgery", *STEPS[3:]]
 
 
 @pytest.fixture(autouse=True)

@@ -50,7 +50,7 @@ def test_a_target_only_helper_gets_the_targets_config_and_runs_on_a_hybrid(tmp_p
     import torch
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=None))  # the unpatched tree imports it
-    from patcher.verify.models.presets import build_target
+    from patcher.verify.models.load.load.presets import build_target
 
     src, out = variant("target-only-helper", tmp_path), tmp_path / "out"
     assert run("apply", src, *RECIPE, "--out", out).exit_code == 0
@@ -242,7 +242,8 @@ def test_a_tree_with_no_decoder_is_one_line_on_every_command(tmp_path, command):
     [line] = result.stderr.strip().splitlines()
     assert result.exit_code == 2 and result.stdout == ""
     assert line == (f"ddpatch: error: no DDTree/DFlash decoder found in {tree.resolve()} (looked for the functions "
-                    "_dflash_generate, ddtree_generate, dflash_generate, and a function that hands a drafter `target_hidden`)")
+                    "_dflash_generate, ddtree_generate, dflash_generate, and a function that hands a drafter `target_hidden` in a "
+                    "decode loop or beside a cache)")
     payload = json.loads(run(command, tree, *(RECIPE if command != "verify" else []), "--format", "json").stdout)
     assert payload["exit_code"] == 2 and payload["error"] == line.removeprefix("ddpatch: error: ")
 

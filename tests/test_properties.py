@@ -157,6 +157,19 @@ TEMPLATES = {
         "    return {d}.to_legacy_cache(), {c}.to_legacy_cache(), {d}[0], {c}.get_max_cache_shape()\n"
     ),
     "legacy-not-a-cache": "def {fn}({a}, {b}):\n    return {a}[0], {b}.seen_tokens{note}\n",
+    "kv-trim": (
+        "def {fn}(past_key_values, {k}):\n"
+        "    for {c} in past_key_values.layers:{note}\n"
+        "        {c}.keys = {c}.keys[..., :{k}, :]\n"
+        "        {c}.values = {c}.values[..., :{k}, :]\n"
+    ),
+    "kv-edit": (
+        "def {fn}({a}_cache, {b}):\n"
+        "    for {c} in {a}_cache.layers:\n"
+        "        {c}.keys[:, :, {b}:] = 0{note}\n"
+        "    {a}_cache.batch_select_indices({b})\n"
+    ),
+    "kv-not-a-cache": "class {fn}:\n    def {a}(self, {b}):\n        for {c} in self.layers:\n            {c}.keys = {b}.values(){note}\n",
 }
 
 #: The templates about each codemod; a step's test always has one of them.
@@ -170,6 +183,7 @@ OWN = {
     "wrap-call": ["decode-loop", "cache-owner"],
     "decorate-function": ["compact", "compact-other"],
     "removed-api": ["legacy-cache", "legacy-not-a-cache"],
+    "cache-surgery": ["kv-trim", "kv-edit", "kv-not-a-cache"],
 }
 
 

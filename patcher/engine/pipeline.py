@@ -33,7 +33,7 @@ from .codemods.base import IN_PACKAGE, PATCHED, place, site_positions
 from .files import add_runtime_files, defined_functions, not_regular, read_file, read_provenance, write_provenance
 from .prefilter import prefilter, prefilter_tree  # noqa: F401  (stage 2; tests import them from here)
 from .recipe import Recipe, StepSpec
-from .survey import leave_out_engines, reached_by_decoders, refuse, suggest_excludes
+from .survey import leave_out, leaves_out, reached_by_decoders, refuse, shown_decoders, suggest_excludes, unsearched
 from .survey import survey as survey_tree
 from .vendored import DecoderSignals, settle, vendored_reason
 
@@ -366,8 +366,8 @@ def _one_line(exc: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------- the pipeline
-def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: int = 1, progress=None,
-               exclude: Iterable[str] = (), survey: str | None = None, include_vendored: bool = False) -> Report:
+def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: int = 1, progress=None, exclude: Iterable[str] = (),
+               survey: str | None = None, include_vendored: bool = False, list_decoders=None) -> Report:
     """The whole pipeline; ``progress(done, total)`` is called as files are processed.
 
     ``exclude``: ``--exclude`` patterns. ``survey``: say what the tree is before any step runs
@@ -375,6 +375,8 @@ def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: in
     ``"report"`` only reports; None (``ci``, the corpus) runs the steps on anything.
     ``include_vendored``: also check the folders that look like copies of third-party packages
     (``patcher.engine.vendored``); by default they are listed in the report and not parsed.
+    ``list_decoders(root, exclude)``: file -> why, the decoders the report names (``survey.shown_decoders``): the API
+    hands it verify's own search, so that check names what verify runs; else the survey's decoder files are named.
     """
     root = Path(root)
     if not root.exists():
@@ -401,25 +403,20 @@ def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: in
     scans = [re.compile(cls.TREE_TRIGGER) for cls in CODEMODS.values() if cls.TREE_TRIGGER]
     scanned: dict[str, str] = {}  # texts some step's tree scan wants
     texts: dict[str, str] = {}  # every text, for the survey
-    where: dict[str, str] = {}  # function -> a file defining it
     for result, text in read:
-        functions = result.functions if result.error is None else defined_functions(text)
-        defined.update(functions)
+        defined.update(result.functions if result.error is None else defined_functions(text))
         if survey:
             texts[result.path] = text
-            for name in functions:
-                where.setdefault(name, result.path)
         if any(p.search(text) for p in scans):
             scanned[result.path] = text
     forced = upstream is not None
     if upstream is None:
         upstream = recipe.detect_upstream(defined)
-    found = survey_tree(texts, recipe, upstream, where) if survey and recipe.upstreams else None
-    if found is not None and not found.decoders:
-        if survey == "require" and not forced:
-            refuse(found, recipe, root)
-    elif found is not None and found.engine_folders:  # a decoder beside an engine's package: the engine is not patched
-        kept = set(leave_out_engines(found, paths, base, excluded, scanned))
+    found = survey_tree(texts, recipe, upstream) if survey and recipe.upstreams else None
+    if found is not None and not found.decoders and survey == "require" and not forced:
+        refuse(found, recipe, root)
+    if leaves_out(found):  # code that is not torch; an engine's package beside a decoder: neither is patched
+        kept = set(leave_out(found, paths, base, excluded, scanned))
         read = [(result, text) for (result, text), path in zip(read, paths) if path in kept]
         paths = [path for path in paths if path in kept]
     specs = [(tree_scan(spec, CODEMODS[spec.codemod], scanned), CODEMODS[spec.codemod]) for spec in recipe.steps if spec.applies_to(upstream)]
@@ -428,11 +425,13 @@ def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: in
     texts = {f.path: f.original for f in files if f.original is not None}
     steps = classify(recipe, upstream, files, texts)
     missing = sorted(a for a in (recipe.upstreams[upstream].anchors if upstream else ()) if a not in defined)
-    report = Report(recipe, root, upstream, files + skipped, steps, missing, vendored, decoders=found.decoders if found else {},
+    left = unsearched(exclude, excluded, skipped, vendored, SKIP_DIRS)
+    listed = list_decoders(root, left) if found is not None and list_decoders is not None and root.is_dir() else {}
+    report = Report(recipe, root, upstream, files + skipped, steps, missing, vendored, decoders=shown_decoders(found, listed, files),
                     exclude=exclude, excluded=excluded)
     mark_skipped(report)
     if found is not None:
-        suggest_excludes(report, reached_by_decoders(report))
+        suggest_excludes(report, reached_by_decoders(report, set(found.decoders)))
     return report
 
 

@@ -1,13 +1,20 @@
 """What a tree is, before any step runs: the recipe's decoders (with their files), a serving engine, or neither.
 
-A tree with a decoder is one the recipe is for: the layout's marker functions are defined
+A tree with a decoder is one the recipe is for: the layout's decoder function is defined
 (``ddtree_generate``, ``dflash_generate``, ...), or a function hands a drafter the target's
-hidden states by keyword (``target_hidden=``) or goes through ddpatch's runtime (a patched
-tree). A tree without one is not DDTree or DFlash code, and ``check``, ``diff``, ``apply`` and
-``verify`` say so in one line (exit 2) instead of a no-match per step for a stray
-``torch.cuda.synchronize()``. A serving engine (a ``vllm`` or ``sglang`` package folder, or code
-that imports their internals) is named as such: ddpatch patches research decoders, not engines;
-inside a tree that also holds a decoder, the engine's package folders are left out.
+hidden states by keyword (``target_hidden=``) in a decode loop or beside a cache, or goes
+through ddpatch's runtime (a patched tree). A tree without one is not DDTree or DFlash code,
+and ``check``, ``diff``, ``apply`` and ``verify`` say so in one line (exit 2) instead of a
+no-match per step for a stray ``torch.cuda.synchronize()``. A serving engine (a ``vllm`` or
+``sglang`` package folder, or code that imports their internals) is named as such: ddpatch
+patches research decoders, not engines; inside a tree that also holds a decoder, the engine's
+package folders are left out. So is an engine's proposer or worker anywhere (one drafter
+call, no loop and no cache: it is handed the target's features by the engine): no decoder.
+
+Code that is not torch (a file that imports MLX or JAX, or numpy for a decoder, and neither
+torch nor transformers: ``array_framework``) is never a decoder and never patched: the
+recipe's steps write torch runtime calls. Beside a torch decoder such files are left out, and
+the report says which and why.
 
 After the steps ran, the survey also says which files the decoders import (``reached``): a
 refusal that comes from any other file (an analysis or profiling script) suggests the exact
@@ -24,7 +31,7 @@ from pathlib import Path, PurePosixPath
 
 from ..errors import EngineError
 from ..results import NO_MATCH, ImportIssue, Report
-from .codemods.base import RUNTIME_MODULE
+from .codemods.base import RUNTIME_MODULE, ast_dotted, ast_inside
 from .codemods.flow_tree import decoder_targets
 from .imports import read_imports
 from .recipe import Recipe
@@ -35,6 +42,15 @@ ENGINES_DOC = "docs/usage.md#what-ddpatch-patches"
 _ENGINE_IMPORT = re.compile(r"^[ \t]*(?:from|import)[ \t]+(" + "|".join(ENGINES) + r")\.\w", re.M)
 _DECODER_TEXT = re.compile(r"target_hidden|" + RUNTIME_MODULE)
 _RUNTIME_CALL = re.compile(r"\b" + RUNTIME_MODULE + r"\.(?:verify_forward|draft_forward|adopt_forward)\b")
+
+
+#: array frameworks other than torch, by the top-level module a file imports
+FRAMEWORKS = {"mlx": "MLX", "mlx_lm": "MLX", "jax": "JAX", "jaxlib": "JAX", "flax": "JAX", "numpy": "numpy"}
+#: what torch code imports: a file that imports one of these is torch code, whatever else it imports
+TORCH = ("torch", "transformers", "accelerate")
+_IMPORTS = re.compile(r"^[ \t]*(?:from[ \t]+([\w.]+)[ \t]+import\b|import[ \t]+([^\n#;]+))", re.M)
+_LOOPS = (ast.For, ast.AsyncFor, ast.While)
+_CACHE_KEYWORDS = ("past_key_values", "cache", "past_key_value")
 
 
 class NotADecoderTree(EngineError):
@@ -49,10 +65,14 @@ class Survey:
     engines: dict[str, list[str]] = field(default_factory=dict)
     #: the engines' package folders inside the tree
     engine_folders: list[str] = field(default_factory=list)
+    #: tree file -> (framework, module) of code that is not torch (``array_framework``): never patched
+    not_torch: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: tree file -> why a function that hands a drafter ``target_hidden=`` is no decoder (an engine's proposer)
+    proposers: dict[str, str] = field(default_factory=dict)
 
 
-def survey(texts: dict[str, str], recipe: Recipe, upstream: str | None, defined: dict[str, str]) -> Survey:
-    """``texts``: tree-relative path -> text of every file the run covers; ``defined``: function -> a file defining it."""
+def survey(texts: dict[str, str], recipe: Recipe, upstream: str | None) -> Survey:
+    """``texts``: tree-relative path -> text of every file the run covers; ``upstream``: the layout detected (or forced)."""
     out = Survey()
     for rel in texts:
         parts = PurePosixPath(rel).parts
@@ -68,63 +88,133 @@ def survey(texts: dict[str, str], recipe: Recipe, upstream: str | None, defined:
             if not any(rel.startswith(f + "/") for f in out.engine_folders):
                 out.engines.setdefault(ENGINES[m.group(1)], []).append(rel)
                 break
-    if upstream is not None:
-        for marker in recipe.upstreams[upstream].markers:
-            if marker in defined:
-                out.decoders.setdefault(defined[marker], f"defines `{marker}`")
+    numpy = {}
     for rel, text in texts.items():
-        if rel in out.decoders or any(rel.startswith(f + "/") for f in out.engine_folders) or not _DECODER_TEXT.search(text):
+        found = array_framework(text)
+        if found is not None and found[0] == "numpy":
+            numpy[rel] = found  # not torch only where it holds a decoder's shape: a numpy helper of a torch decoder is kept
+        elif found is not None:
+            out.not_torch[rel] = found
+    # the layout's decoder function (its first marker; the others, `cuda_time` or `propose`, tell layouts apart)
+    firsts = recipe.upstreams[upstream].markers[:1] if upstream is not None else []
+    defs = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(" + "|".join(map(re.escape, firsts)) + r")\b", re.M) if firsts else None
+    for rel, text in texts.items():
+        if rel in out.not_torch or any(rel.startswith(f + "/") for f in out.engine_folders):
             continue
-        why = decoder_function(text)
-        if why:
+        marker = defs.search(text) if defs is not None and any(m in text for m in firsts) else None
+        why, proposer = None, None
+        if marker:
+            why = f"defines `{marker.group(1)}`"
+        elif _DECODER_TEXT.search(text):
+            why, proposer = decoder_function(text, why_not=True)
+        if (why or proposer) and rel in numpy:
+            out.not_torch[rel] = numpy[rel]
+        elif why:
             out.decoders[rel] = why
+        elif proposer:
+            out.proposers[rel] = proposer
     return out
 
 
-def leave_out_engines(found: Survey, paths: list[Path], base: Path, excluded: dict[str, str], scanned: dict[str, str]) -> list[Path]:
-    """``paths`` without the files of the engines' package folders (recorded in ``excluded``, dropped from ``scanned``)."""
+def array_framework(text: str) -> tuple[str, str] | None:
+    """(framework, module) where ``text`` imports, anywhere in it, an array framework other than torch (MLX, JAX, numpy)
+    and neither torch, transformers nor accelerate; else None. Read with a regular expression (stdlib only): verify's
+    decoder search can apply the same rule (``patcher.verify.subjects.decoders``)."""
+    if not any(name in text for name in ("mlx", "jax", "flax", "numpy")):  # most files: no regular expression run
+        return None
+    other = None
+    for m in _IMPORTS.finditer(text):
+        modules = [m.group(1)] if m.group(1) else [part.split(" as ")[0].strip() for part in m.group(2).split(",")]
+        for module in modules:
+            top = module.split(".")[0]
+            if top in TORCH:
+                return None
+            if top in FRAMEWORKS and (other is None or other[0] == "numpy"):
+                other = (FRAMEWORKS[top], module)
+    return other
+
+
+def leaves_out(found: Survey | None) -> bool:
+    """Whether ``leave_out`` has files to leave out: code that is not torch, or an engine's package beside a decoder."""
+    return found is not None and bool(found.not_torch or found.engine_folders and found.decoders)
+
+
+def leave_out(found: Survey, paths: list[Path], base: Path, excluded: dict[str, str], scanned: dict[str, str]) -> list[Path]:
+    """``paths`` without code that is not torch and, beside a decoder, the files of the engines' package folders
+    (each recorded in ``excluded`` with why, dropped from ``scanned``)."""
     names = {folder.rstrip("/"): engine for engine, evidence in found.engines.items() for folder in evidence}
     kept = []
     for path in paths:
         rel = path.relative_to(base).as_posix()
-        folder = next((f for f in found.engine_folders if rel.startswith(f + "/")), None)
-        if folder is None:
+        folder = next((f for f in found.engine_folders if rel.startswith(f + "/")), None) if found.decoders else None
+        if rel in found.not_torch:
+            excluded[rel] = f"{found.not_torch[rel][0]} code, not torch: the recipe writes torch runtime calls"
+        elif folder is not None:
+            excluded[rel] = f"a {names.get(folder, 'serving engine')} package: ddpatch does not patch serving engines"
+        else:
             kept.append(path)
             continue
-        excluded[rel] = f"a {names.get(folder, 'serving engine')} package: ddpatch does not patch serving engines"
         scanned.pop(rel, None)
     return kept
 
 
-def decoder_function(text: str) -> str | None:
-    """Why ``text`` holds a decoder: a function (not a drafter's own method) that hands a model ``target_hidden=``, or
-    that goes through the runtime's ``verify_forward`` / ``draft_forward`` / ``adopt_forward``; else None."""
+def decoder_function(text: str, why_not: bool = False):
+    """Why ``text`` holds a decoder: a function (not a drafter's own method) that hands a model ``target_hidden=`` in a
+    loop or beside a cache, or that goes through the runtime's ``verify_forward`` / ``draft_forward`` / ``adopt_forward``;
+    else None. ``why_not``: (why, None), or (None, why a function that hands ``target_hidden=`` is no decoder)."""
+    why, proposer = _decoder_function(text)
+    return (why, proposer) if why_not else why
+
+
+def _decoder_function(text: str) -> tuple[str | None, str | None]:
     if _RUNTIME_CALL.search(text):
-        return "calls the ddpatch runtime (a patched decoder)"
+        return "calls the ddpatch runtime (a patched decoder)", None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tree = ast.parse(text)
     except (SyntaxError, ValueError, RecursionError):
-        return None
+        return None, None
     drafters = set()
     for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
         forward = next((f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "forward"), None)
         if forward is not None and any(a.arg == "target_hidden" for a in forward.args.args + forward.args.kwonlyargs):
             drafters |= {id(f) for f in ast.walk(cls) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
         drafters |= {id(f) for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "forward"}  # a module's layers
+    owners = {id(f): f"{cls.name}.{f.name}" for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef) for f in cls.body
+              if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    proposer = None
     for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and id(n) not in drafters):
         for call in (c for c in ast.walk(fn) if isinstance(c, ast.Call)):
             if any(k.arg == "target_hidden" for k in call.keywords):
-                return f"`{fn.name}` hands a drafter `target_hidden=`"
+                if _in_loop(fn, call) or _has_cache(fn):
+                    return f"`{fn.name}` hands a drafter `target_hidden=`", None
+                proposer = proposer or (f"`{owners.get(id(fn), fn.name)}` hands a drafter `target_hidden=` once, with no decode loop "
+                                        f"and no cache (a serving engine's proposer or worker?)")
         if decoder_targets(fn):
-            return f"`{fn.name}` hands a drafter the target's features and calls the target with a cache"
-    return None
+            return f"`{fn.name}` hands a drafter the target's features and calls the target with a cache", None
+    return None, proposer
+
+
+def _in_loop(fn: ast.AST, node: ast.AST) -> bool:
+    return any(ast_inside(node, loop) for loop in ast.walk(fn) if isinstance(loop, _LOOPS))
+
+
+def _has_cache(fn: ast.AST) -> bool:
+    """A call in ``fn`` hands a model a cache (``past_key_values=``, ``cache=``), or builds one (``DynamicCache()``, ``_make_cache``)."""
+    for call in (c for c in ast.walk(fn) if isinstance(c, ast.Call)):
+        if any(k.arg in _CACHE_KEYWORDS and not (isinstance(k.value, ast.Constant) and k.value.value in (None, True, False))
+               for k in call.keywords):
+            return True
+        name = ast_dotted(call.func) or ""
+        if name.split(".")[-1].lower().endswith("cache"):
+            return True
+    return False
 
 
 def looked_for(recipe: Recipe) -> str:
     markers = sorted({m for up in recipe.upstreams.values() for m in up.markers[:1]})
-    return f"the functions {', '.join(markers)}, and a function that hands a drafter `target_hidden`"
+    return f"the functions {', '.join(markers)}, and a function that hands a drafter `target_hidden` in a decode loop or beside a cache"
 
 
 def refuse(found: Survey, recipe: Recipe, root: Path) -> None:
@@ -136,25 +226,49 @@ def refuse(found: Survey, recipe: Recipe, root: Path) -> None:
         raise NotADecoderTree(f"{root} is a {name} serving engine tree ({shown}), and no {family} decoder was found in it: "
                               f"ddpatch patches {family} research decoders, not serving engines (what it does and does not "
                               f"patch: {ENGINES_DOC})")
-    raise NotADecoderTree(f"no {family} decoder found in {root} (looked for {looked_for(recipe)})")
+    seen = [f"{rel} is {name} code (imports {module}), not torch" for rel, (name, module) in found.not_torch.items()]
+    seen += [f"{rel}: {why}" for rel, why in found.proposers.items()]
+    more = f" and {len(seen) - 2} more" if len(seen) > 2 else ""
+    found_instead = f"; found instead: {'; '.join(seen[:2])}{more} (what ddpatch patches: {ENGINES_DOC})" if seen else ""
+    raise NotADecoderTree(f"no {family} decoder found in {root} (looked for {looked_for(recipe)}){found_instead}")
 
 
 # ----------------------------------------------------------------------------- after the steps
-def reached_by_decoders(report: Report) -> set[str]:
-    """The decoder files and every tree file they import, transitively; sets ``report.import_issues``.
+def unsearched(exclude, excluded: dict[str, str], skipped: list, vendored: list, skip_dirs) -> tuple[str, ...]:
+    """``--exclude`` patterns for verify's decoder search (``shown_decoders``'s listing) that keep it to what the run read:
+    a file that was not read (a FIFO would block the search), the folders discovery skips (a venv would cost it minutes)
+    or left out as vendored, and the files left out in folders (one at the root would read as a name anywhere: the
+    listing drops it after)."""
+    return (*exclude, *(d for d in skip_dirs if not d.startswith(".")), "*.egg-info", *(f.path for f in skipped),
+            *(p for p in excluded if "/" in p), *(f"{v.path}/" for v in vendored if v.left_out))
+
+
+def shown_decoders(found: Survey | None, listed: dict[str, str], files: list) -> dict[str, str]:
+    """The decoders a report names: those ``listed`` (verify's own search, through the API) in the files the run
+    covered (not left out, not an engine's, not code that is not torch); else, or without a listing, the survey's."""
+    if found is None:
+        return {}
+    covered = {f.path for f in files}
+    shown = {rel: why for rel, why in listed.items() if rel in covered and rel not in found.not_torch}
+    return shown or dict(found.decoders)
+
+
+def reached_by_decoders(report: Report, also: set[str] = frozenset()) -> set[str]:
+    """The decoder files (the report's, and ``also``: the survey's) and every tree file they import, transitively;
+    sets ``report.import_issues``.
 
     Read from the files as they are on disk (the lines a user opens), keeping only the imports that
     still resolve to nothing once patched (lazy-datasets moves a module-level import into its function).
     """
     root = report.root if report.root.is_dir() else report.root.parent
     imports = read_imports(root, {f.path: f.original for f in report.files if f.original is not None})
-    reached = imports.reach(set(report.decoders))
+    reached = imports.reach(set(report.decoders) | set(also))
     patched = {f.path: f.patched for f in report.files if f.changed and f.patched and f.path in imports.broken}
     still = read_imports(root, patched).broken if patched else {}
     # a sibling the tree itself says is gone stops apply where the decoders import it; a module that is merely not
     # installed here (an optional package, one of another environment) is listed, never a refusal
     report.import_issues = [
-        ImportIssue(rel, imp.line, imp.module, _import_message(imp, rel in reached), imp.in_tree and rel in reached)
+        ImportIssue(rel, imp.line, imp.module, _import_message(imp, rel in reached), imp.in_tree and rel in reached, rel in reached)
         for rel, found in sorted(imports.broken.items()) for imp in found
         if rel not in patched or any(i.module == imp.module for i in still.get(rel, ()))
     ]

@@ -90,12 +90,15 @@ def survey_lines(report: Report, verbose: bool = False) -> list[str]:
             out += [f"  {path}:{n.line}: {n.message}" for n in shown]
             if len(found) > len(shown):
                 out.append(f"  {path}: and {len(found) - len(shown)} more")
-    quiet = [i for i in report.import_issues if not i.blocking]
-    if quiet:
-        out.append("imports that resolve to nothing (not imported by the decoders):")
-        out += [f"  {i.path}:{i.line}: {i.module}: {i.message}" for i in (quiet if verbose else quiet[:10])]
-        if not verbose and len(quiet) > 10:
-            out.append(f"  and {len(quiet) - 10} more (-v lists each)")
+    quiet = [i for i in report.import_issues if not i.blocking]  # a blocking one is an error line (error_lines)
+    for heading, group in (("imports the decoders reach that are not installed here (verify cannot load them here):",
+                            [i for i in quiet if i.reached]),
+                           ("imports that resolve to nothing, in files no decoder imports:", [i for i in quiet if not i.reached])):
+        if group:
+            out.append(heading)
+            out += [f"  {i.path}:{i.line}: {i.module}: {i.message}" for i in (group if verbose else group[:10])]
+            if not verbose and len(group) > 10:
+                out.append(f"  and {len(group) - 10} more (-v lists each)")
     return out
 
 

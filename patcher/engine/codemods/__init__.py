@@ -7,6 +7,7 @@ from __future__ import annotations
 from .accessor import UseAccessor
 from .attn_fallback import AttnFallback
 from .base import Step
+from .cache_surgery import CacheSurgery
 from .crop import CropCompat
 from .decorate import DecorateFunction
 from .guard import GuardCall
@@ -18,7 +19,7 @@ from .wrap_call import WrapCall
 CODEMODS: dict[str, type[Step]] = {
     cls.ID: cls
     for cls in (TargetCacheConfig, UseAccessor, CropCompat, GuardCall, AttnFallback, LazyImport, WrapCall, DecorateFunction,
-                RemovedApi)
+                RemovedApi, CacheSurgery)
 }
 
 __all__ = ["CODEMODS", "Step"]
