@@ -29,7 +29,7 @@ from .ci import BISECT_THRESHOLD, HUNK_LINES
 from .engine.recipe import Recipe, builtin_recipes, load_recipe
 from .errors import INPUT_ERRORS, CIError, EngineError, JournalError, RecipeError, RefereeError, VerifierCrash, VerifyError
 from .results import ApplyResult, CIResult, Outcome, Refereed, Report, RevertResult, StepDoc
-from .verify.models.load.load.presets import PRESETS
+from .verify.models.presets import PRESETS
 
 # The engine (and libcst), the verifier's runner and ci's history are imported by the functions
 # that run them, so that importing this module, and ``ddpatch --help`` above it, stays cheap.
@@ -249,7 +249,7 @@ def verify(path: str | Path, timeout: float = 600.0, progress: Callable[[dict], 
     """Run the tree's own decoders in a child process and judge them (options: the keys of ``patcher.verify.process.runner.DEFAULTS``,
     ``target``/``draft`` folders, ``scripted_draft``, ``temperature``, ...). ``upstream_tests``: also run the tree's own
     tests before and after the patch (the unpatched tree: ``original``, else the in-place apply's journal).
-    ``prompts_file``: decode the models with a tokenizer on these prompts (``patcher.verify.models.load.load.prompts``); the
+    ``prompts_file``: decode the models with a tokenizer on these prompts (``patcher.verify.models.prompts``); the
     first ``prompts`` of them, else its default."""
     from .verify.process.runner import run_verify
 
@@ -269,8 +269,8 @@ def verify(path: str | Path, timeout: float = 600.0, progress: Callable[[dict], 
 def _prompts_options(prompts_file: str | Path, options: dict) -> dict:
     """``prompt_records`` and ``prompts_source`` for the child, read and checked here: bad input is one line before any
     child starts. A random preset decodes random token ids (it has no tokenizer): a file needs a model that reads text."""
-    from .verify.models.load.load.prompts import PromptsFileError, verify_options
-    from .verify.models.load.load.trained import FOLDER_PRESETS
+    from .verify.models.prompts import PromptsFileError, verify_options
+    from .verify.models.trained import FOLDER_PRESETS
 
     presets = options.get("presets") or ()
     if not options.get("target") and presets and not any(p in FOLDER_PRESETS for p in presets):
@@ -291,7 +291,7 @@ def referee(engine: str, target: str | Path, draft: str | Path, *, prompts_file:
     (``patcher.referee.run``). Bad input (an engine that does not answer or reports no counters, a pair whose tokenizer is
     not the engine's, a prompt over the context, a bad folder or prompts file) raises one of ``INPUT_ERRORS``."""
     from .referee.run import referee as run
-    from .verify.models.load.load.prompts import PromptsFileError, verify_options
+    from .verify.models.prompts import PromptsFileError, verify_options
 
     for flag, folder in (("--target", target), ("--draft", draft)):
         if not Path(folder).expanduser().is_dir():

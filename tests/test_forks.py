@@ -50,7 +50,7 @@ def test_a_target_only_helper_gets_the_targets_config_and_runs_on_a_hybrid(tmp_p
     import torch
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=None))  # the unpatched tree imports it
-    from patcher.verify.models.load.load.presets import build_target
+    from patcher.verify.models.presets import build_target
 
     src, out = variant("target-only-helper", tmp_path), tmp_path / "out"
     assert run("apply", src, *RECIPE, "--out", out).exit_code == 0
