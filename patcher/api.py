@@ -257,7 +257,9 @@ def verify(path: str | Path, timeout: float = 600.0, progress: Callable[[dict], 
     if prompts_file is not None:
         options.update(_prompts_options(prompts_file, options))
     if Path(path).is_dir() and not options.get("entries"):  # --entry names the decoders: the runner checks them
-        require_decoder(path, options.get("exclude") or ())
+        not_torch = require_decoder(path, options.get("exclude") or ())
+        if not_torch:  # an MLX port beside the torch decoders: never run as a torch decoder
+            options["not_torch"] = {rel: f"{framework} code, not torch (imports {module})" for rel, (framework, module) in not_torch.items()}
     outcome = run_verify(Path(path), timeout=timeout, progress=progress, **options)
     if unpatched is not None:
         from .verify.subjects.upstream_tests import upstream_tests_row
@@ -359,9 +361,10 @@ def _steps_by_file(before: Path, after: Path) -> dict[str, list[str]]:
     return out
 
 
-def require_decoder(path: str | Path, exclude: Iterable[str] = ()) -> None:
+def require_decoder(path: str | Path, exclude: Iterable[str] = ()) -> dict[str, tuple[str, str]]:
     """Before a verifier starts: a tree with none of the default recipe's decoders is refused in the one line check gives
-    (a serving engine named as such), as check, diff and apply refuse it; ``--entry`` names decoders by hand instead."""
+    (a serving engine named as such), as check, diff and apply refuse it; ``--entry`` names decoders by hand instead.
+    Returns the files that are not torch code (file -> (framework, module)): verify leaves them out, as apply does."""
     from .engine.files import defined_functions
     from .engine.pipeline import discover
     from .engine.survey import NotADecoderTree, refuse, survey
@@ -383,6 +386,7 @@ def require_decoder(path: str | Path, exclude: Iterable[str] = ()) -> None:
             refuse(found, recipe, root)
         except NotADecoderTree as exc:
             raise VerifyError(str(exc)) from None
+    return dict(found.not_torch)
 
 
 # ----------------------------------------------------------------------------- ci

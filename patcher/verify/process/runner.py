@@ -85,7 +85,7 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
     options = narrowed(tree, options)
     options = real_drafter_defaults(options)
     try:
-        plan = decoders.plan(tree, options.get("entries"), tuple(options.get("exclude") or ()))
+        plan = decoders.plan(tree, options.get("entries"), tuple(options.get("exclude") or ()), options.get("not_torch"))
     except ValueError as exc:
         raise VerifyError(str(exc)) from None
     plan["exclude_source"] = options.get("exclude_source")

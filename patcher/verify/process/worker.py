@@ -119,7 +119,7 @@ def run(cfg: dict) -> dict:
     # a decoder that does not import fails its own rows; every other decoder is still judged in this run
     result["checks"] += methods.load_rows(plan, loaded)
     result["checks"].append(methods.coverage_check(loaded.decoders, plan["unparsed"], loaded.drafter_notes, plan.get("excluded"),
-                                                    plan.get("exclude_source")))
+                                                    plan.get("exclude_source"), plan.get("not_torch")))
     result["decoders"] = loaded.decoders
     if cfg.get("run_only") is not None:  # one of several children: it runs its chunk of the decoders (runner.split)
         mine = {tuple(k) for k in cfg["run_only"]}

@@ -82,11 +82,14 @@ class Inventory:
 
 
 # ----------------------------------------------------------------------------- reading the tree
-def python_files(tree: Path, exclude: tuple[str, ...] = (), left: list | None = None):
-    """The tree's Python files a decoder may live in; ``left`` receives the ones ``--exclude`` left out."""
+def python_files(tree: Path, exclude: tuple[str, ...] = (), left: list | None = None, skip: dict | None = None):
+    """The tree's Python files a decoder may live in; ``left`` receives the ones ``--exclude`` left out; ``skip``
+    (file -> why) names more to leave out: code that is not torch (the engine's survey finds it)."""
     for path in sorted(tree.rglob("*.py")):
         rel = path.relative_to(tree)
         if any(part.startswith(".") or part in SKIP_PARTS for part in rel.parts[:-1]) or rel.name.startswith("test_"):
+            continue
+        if skip and rel.as_posix() in skip:
             continue
         if any(excluded(rel, glob) for glob in exclude):
             if left is not None:
@@ -201,11 +204,11 @@ def _binds(params: list[str], is_method: bool) -> bool:
     return has("input_ids") and (has("target") or has("draft") or is_method)
 
 
-def inventory(tree: Path, exclude: tuple[str, ...] = ()) -> Inventory:
-    """Every decoder (entry points into a decode loop) and drafter class of ``tree``."""
+def inventory(tree: Path, exclude: tuple[str, ...] = (), skip: dict | None = None) -> Inventory:
+    """Every decoder (entry points into a decode loop) and drafter class of ``tree`` (``skip``: files left out, why)."""
     found = Inventory()
     info = {}  # (file, qualname) -> facts
-    for path, rel in python_files(tree, exclude, found.excluded):
+    for path, rel in python_files(tree, exclude, found.excluded, skip):
         try:
             text = path.read_text(encoding="utf-8")
             module = ast.parse(text)
@@ -325,11 +328,11 @@ def pick(tree: Path, found: Inventory, entries: list[str]) -> list[Decoder]:
     return picked
 
 
-def plan(tree: Path, entries: list[str] | None = None, exclude: tuple[str, ...] = ()) -> dict:
+def plan(tree: Path, entries: list[str] | None = None, exclude: tuple[str, ...] = (), skip: dict | None = None) -> dict:
     """What the child verifies: the decoders (picked, or every distinct one found, the ones in files ddpatch patched
     first), the ones left out with their reason, and the drafter classes. Plain data (it crosses to the child as JSON).
     No count leaves a decoder out: the runner spreads them over parallel children."""
-    found = inventory(tree, exclude)
+    found = inventory(tree, exclude, skip)
     if entries:
         chosen = pick(tree, found, entries)
         keys = {(d.file, d.qualname) for d in chosen}
@@ -346,4 +349,4 @@ def plan(tree: Path, entries: list[str] | None = None, exclude: tuple[str, ...] 
         chosen.sort(key=lambda d: not d.patched)  # stable: the patched files' decoders first, each group in scan order
     others = [d for d in found.decoders if d not in chosen]
     return {"decoders": [d.as_dict() for d in chosen], "left_out": [d.as_dict() for d in others],
-            "drafters": found.drafters, "unparsed": found.unparsed, "excluded": found.excluded}
+            "drafters": found.drafters, "unparsed": found.unparsed, "excluded": found.excluded, "not_torch": dict(skip or {})}

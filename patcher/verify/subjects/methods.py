@@ -148,7 +148,7 @@ def load_rows(plan: dict, loaded: Loaded) -> list[dict]:
 
 
 def coverage_check(decoders: list[dict], unparsed: list[str], notes: list[str], excluded: list[str] | None = None,
-                   exclude_source: str | None = None) -> dict:
+                   exclude_source: str | None = None, not_torch: dict | None = None) -> dict:
     """``decoders: N found, M verified``: a decoder left out of a file that ddpatch patched is a finding, unless the
     user left it out (``--entry``) or it is the same code as one verified (``same_as``)."""
     verified = [d for d in decoders if d.get("verified")]
@@ -168,8 +168,10 @@ def coverage_check(decoders: list[dict], unparsed: list[str], notes: list[str], 
         text += f"; --exclude left out {len(excluded)} file(s): {', '.join(excluded[:5])}" + (", ..." if len(excluded) > 5 else "")
         if exclude_source:
             text += f" ({exclude_source})"
+    if not_torch:
+        text += "; left out, not torch code: " + "; ".join(f"{f} ({why})" for f, why in sorted(not_torch.items()))
     check = {"check": "decoders", "passed": bool(verified) and not finding, "evidence": text,
-             "decoders": decoders, "excluded": list(excluded or [])}
+             "decoders": decoders, "excluded": list(excluded or []), "not_torch": dict(not_torch or {})}
     if finding:
         check["evidence"] = (f"{len(finding)} decoder(s) in files ddpatch patched were not verified: "
                              + "; ".join(f"{d['file']}:{d['qualname']}" for d in finding) + f"; {text}")
