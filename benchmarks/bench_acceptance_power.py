@@ -165,14 +165,14 @@ def seen(row: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- main
-def trees_for(kinds: list[str], tmp: Path, log):
+def trees_for(kinds: list[str], tmp: Path, bundle: Path, log):
     """(kind, patched tree, catalog) for each kind; a kind whose tree cannot be made is left out, said so."""
     import tree_mutants as tm
 
     for kind in kinds:
-        tree = tm.patched_vendored(tmp / kind) if kind == "vendored" else tm.patched_upstream(tmp / kind)
+        tree = tm.patched_vendored(tmp / kind) if kind == "vendored" else tm.patched_upstream(tmp / kind, bundle)
         if tree is None:
-            log(f"{kind}: {tm.BUNDLE} is absent: left out")
+            log(f"{kind}: {bundle} is absent: left out")
             continue
         yield kind, tree, tm.CATALOGS[kind]
 
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.splitlines()[1:]))
     ap.add_argument("--pair", default="b", help="shipped, b, or a folder with target/, draft/ and metadata.json")
-    ap.add_argument("--trees", default="vendored", help="vendored, upstream, or both comma-separated")
+    ap.add_argument("--trees", default="vendored", help="vendored, upstream (the real DDTree HEAD), or both comma-separated")
     ap.add_argument("--mutants", default="", help="mutant names, comma-separated (default: all; 'none': the correct tree only)")
     ap.add_argument("--prompts", type=int, default=4, help="held-out prompts of the pair's metadata.json")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -189,6 +189,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="8,16", help="DDTree budgets, comma-separated")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--bundle", type=Path, default=None, help="the real DDTree's git bundle (default: ../shared/upstream/ddtree.bundle)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     pair = PAIRS.get(args.pair, Path(args.pair))
@@ -225,7 +226,7 @@ def main(argv=None) -> int:
     import tree_mutants as tm
 
     with tempfile.TemporaryDirectory(prefix="acceptance-power-") as tmp:
-        for kind, tree, catalog in trees_for(args.trees.split(","), Path(tmp), log):
+        for kind, tree, catalog in trees_for(args.trees.split(","), Path(tmp), args.bundle or tm.BUNDLE, log):
             rows = {}
             chosen = [m for m in catalog if not wanted or m.name in wanted]
             for mutant in [None] + chosen:
