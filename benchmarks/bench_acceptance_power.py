@@ -197,11 +197,22 @@ def main(argv=None) -> int:
         print(f"bench_acceptance_power: error: {pair} is not a pair folder (target/, draft/, metadata.json)", file=sys.stderr)
         return 2
 
+    for path in (ROOT, ROOT / "tests"):
+        sys.path.insert(0, str(path))
+    import tree_mutants as tm
+
+    known = {m.name for catalog in tm.CATALOGS.values() for m in catalog} | {"none"}
+    unknown = sorted(set(args.mutants.split(",")) - known - {""})
+    trees = sorted(set(args.trees.split(",")) - set(tm.CATALOGS))
+    if unknown or trees:
+        what = (f"no mutant {', '.join(unknown)} (known: {', '.join(sorted(known))})" if unknown else
+                f"no tree {', '.join(trees)} (known: {', '.join(tm.CATALOGS)})")
+        print(f"bench_acceptance_power: error: {what}", file=sys.stderr)
+        return 2
+
     import torch
 
     torch.set_num_threads(args.threads)
-    for path in (ROOT, ROOT / "tests"):
-        sys.path.insert(0, str(path))
     t0 = time.time()
 
     def log(msg: str) -> None:
@@ -223,7 +234,6 @@ def main(argv=None) -> int:
                                 "floors": [round(p["methods"][m]["floor"], 3) for p in ref["prompts"]]}
                             for m in methods},
               "trees": {}}
-    import tree_mutants as tm
 
     with tempfile.TemporaryDirectory(prefix="acceptance-power-") as tmp:
         for kind, tree, catalog in trees_for(args.trees.split(","), Path(tmp), args.bundle or tm.BUNDLE, log):

@@ -172,14 +172,21 @@ TREE_MODULES = {"model", "dflash", "ddtree", "_ddpatch_runtime"}
 
 
 def import_tree(tree: Path):
-    """The tree's own ``dflash_generate``, ``ddtree_generate`` and ``DFlashDraftModel``; the modules of a tree imported
-    before (the same generic names) are dropped first."""
-    for name in list(sys.modules):
-        if name.split(".")[0] in TREE_MODULES:
-            del sys.modules[name]
+    """The tree's own ``dflash_generate``, ``ddtree_generate`` and ``DFlashDraftModel``. The tree's modules share
+    generic names with other trees' (``model``, ``dflash``): they are imported with the tree first on ``sys.path``
+    and taken out of ``sys.modules`` afterwards, where whatever held those names before is put back."""
+    def ours(name: str) -> bool:
+        return name.split(".")[0] in TREE_MODULES
+
+    before = {n: m for n, m in sys.modules.items() if ours(n)}
+    for name in before:
+        del sys.modules[name]
     sys.path.insert(0, str(tree))
     try:
         ddtree, dflash, model = (importlib.import_module(n) for n in ("ddtree", "dflash", "model"))
         return dflash.dflash_generate, ddtree.ddtree_generate, model.DFlashDraftModel
     finally:
         sys.path.remove(str(tree))
+        for name in [n for n in sys.modules if ours(n)]:
+            del sys.modules[name]
+        sys.modules.update(before)
