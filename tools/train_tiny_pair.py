@@ -15,6 +15,10 @@
     python tools/train_tiny_pair.py --measure /tmp/x         # acceptance of a patched tree on the held-out prompts
     python tools/train_tiny_pair.py --floor                  # (re)write acceptance_floor.json (training ends with it)
 
+``--layers``, ``--hidden``, ``--vocab``, ``--block``, ``--draft-layers`` and ``--target-layer-ids`` make a pair of
+another shape (their defaults are the shipped pair's, so the plain command still reproduces it); ``--no-floor``
+leaves ``acceptance_floor.json`` out (a pair that verify has never seen: ``tests/data/pair_b``).
+
 ``--measure TREE`` loads the folders the way ``ddpatch verify --target --draft`` does (``from_pretrained``,
 float32), imports TREE's own ``dflash_generate`` / ``ddtree_generate`` and reports the mean acceptance on the
 held-out prompts of ``metadata.json``, checking that every output equals the target's greedy decoding.
@@ -27,6 +31,7 @@ held-out prompts and writes ``acceptance_floor.json`` beside the two folders: wh
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -41,15 +46,35 @@ DEFAULT_OUT = ROOT / "patcher" / "data" / "trained_pair"
 EOS, MASK = "<|endoftext|>", "<|mask|>"
 SKIP_DIRS = {"test", "tests", "site-packages", "idlelib", "__pycache__", "lib2to3", "tkinter", "turtledemo", "ensurepip"}
 
-# the shapes (small enough that the pair fits 12 MB in float32 and trains on 2 CPU cores)
-VOCAB = 1024
-HIDDEN = 128
-LAYERS = (["linear_attention"] * 3 + ["full_attention"]) * 2
-BLOCK = 8
-DRAFT_LAYERS = 3
-TARGET_LAYER_IDS = [1, 4, 6]  # hidden_states[i + 1], DFlash's convention
 SEQ = 128
 PROMPT = 32  # distillation: a corpus prompt, then the target's greedy continuation
+LAYER_KINDS = {"linear": "linear_attention", "full": "full_attention"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The pair's shapes. The defaults are the shipped pair's (small enough that it fits 12 MB in float32 and
+    trains on 2 CPU cores): changing one changes what the plain command reproduces."""
+
+    vocab: int = 1024
+    hidden: int = 128
+    layers: tuple = ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + ("full_attention",)
+    block: int = 8
+    draft_layers: int = 3
+    target_layer_ids: tuple = (1, 4, 6)  # hidden_states[i + 1], DFlash's convention
+
+
+def shape_of(args) -> Shape:
+    """The shape the options ask for (``--layers linear,full,linear,full``); a bad one is a usage error."""
+    layers = tuple(LAYER_KINDS.get(k, k) for k in args.layers.split(",")) if args.layers else Shape.layers
+    ids = tuple(int(i) for i in args.target_layer_ids.split(",")) if args.target_layer_ids else Shape.target_layer_ids
+    shape = Shape(vocab=args.vocab, hidden=args.hidden, layers=layers, block=args.block or Shape.block,
+                  draft_layers=args.draft_layers, target_layer_ids=ids)
+    bad = [k for k in layers if k not in LAYER_KINDS.values()]
+    if bad or not layers or any(not 0 <= i < len(layers) for i in ids) or shape.block < 2 or shape.block > SEQ - PROMPT:
+        print(f"train_tiny_pair: error: a bad shape: {shape}", file=sys.stderr)
+        sys.exit(2)
+    return shape
 
 
 def stdlib_files(seed: int) -> tuple[list[Path], list[Path]]:
@@ -71,14 +96,14 @@ def read(path: Path) -> str:
 
 
 # ----------------------------------------------------------------------------- tokenizer
-def train_tokenizer(texts: list[str], out: Path):
+def train_tokenizer(texts: list[str], out: Path, vocab: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=[EOS, MASK], min_frequency=2, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS, MASK], min_frequency=2, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
@@ -87,12 +112,13 @@ def train_tokenizer(texts: list[str], out: Path):
 
 
 # ----------------------------------------------------------------------------- target
-def target_config():
+def target_config(shape: Shape):
     from transformers import Qwen3_5TextConfig
 
     return Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=3 * HIDDEN, num_hidden_layers=len(LAYERS),
-        layer_types=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4,
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=3 * shape.hidden,
+        num_hidden_layers=len(shape.layers), layer_types=list(shape.layers), num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, linear_conv_kernel_dim=4,
         linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
         max_position_embeddings=2048, tie_word_embeddings=False, eos_token_id=0, bos_token_id=None, pad_token_id=None,
     )
@@ -111,12 +137,12 @@ def windows(stream, count: int, length: int, gen):
     return torch.stack([stream[s : s + length] for s in starts.tolist()])
 
 
-def train_target(stream, steps: int, batch: int, seed: int, log):
+def train_target(stream, steps: int, batch: int, seed: int, log, shape: Shape):
     import torch
     from transformers import Qwen3_5ForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(target_config())
+    model = Qwen3_5ForCausalLM(target_config(shape))
     gen = torch.Generator().manual_seed(seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     model.train()
@@ -152,9 +178,9 @@ def greedy_batch(model, prompts, new: int):
     return torch.cat([prompts, torch.stack(out, 1)], 1)
 
 
-def distill_set(model, stream, count: int, seed: int, log):
+def distill_set(model, stream, count: int, seed: int, log, layer_ids):
     """``count`` sequences: a corpus prompt of PROMPT tokens, then the target's greedy continuation to SEQ,
-    and the target's features (hidden_states[i + 1] for i in TARGET_LAYER_IDS) over the whole sequence."""
+    and the target's features (hidden_states[i + 1] for i in ``layer_ids``) over the whole sequence."""
     import torch
 
     gen = torch.Generator().manual_seed(seed + 2)
@@ -165,7 +191,7 @@ def distill_set(model, stream, count: int, seed: int, log):
         with torch.no_grad():
             hs = model(seq, output_hidden_states=True, use_cache=False).hidden_states
         seqs.append(seq)
-        feats.append(torch.cat([hs[i + 1] for i in TARGET_LAYER_IDS], -1))
+        feats.append(torch.cat([hs[i + 1] for i in layer_ids], -1))
         log(f"distillation sequences {start + len(prompts)}/{count}")
     return torch.cat(seqs), torch.cat(feats)
 
@@ -178,54 +204,56 @@ def draft_class():
     return DFlashDraftModel
 
 
-def draft_config(mask_id: int):
+def draft_config(mask_id: int, shape: Shape):
     from transformers import Qwen3Config
 
     cfg = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=3 * HIDDEN, num_hidden_layers=DRAFT_LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
-        tie_word_embeddings=False, layer_types=["full_attention"] * DRAFT_LAYERS,
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=3 * shape.hidden,
+        num_hidden_layers=shape.draft_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=2048, tie_word_embeddings=False, layer_types=["full_attention"] * shape.draft_layers,
     )
     cfg.architectures = ["DFlashDraftModel"]
-    cfg.block_size = BLOCK
-    cfg.num_target_layers = len(LAYERS)
-    cfg.dflash_config = {"mask_token_id": mask_id, "target_layer_ids": TARGET_LAYER_IDS}
+    cfg.block_size = shape.block
+    cfg.num_target_layers = len(shape.layers)
+    cfg.dflash_config = {"mask_token_id": mask_id, "target_layer_ids": list(shape.target_layer_ids)}
     return cfg
 
 
-def block_batch(seqs, anchors_per_seq: int, gen, mask_id: int):
+def block_batch(seqs, anchors_per_seq: int, gen, mask_id: int, block: int):
     """Anchors (drawn among the continuation's positions), the blocks' tokens and positions, the labels,
     and the attention mask [blocks x (context + blocks)]."""
     import torch
 
     b, length = seqs.shape
-    lo, hi = PROMPT, length - BLOCK  # anchor = a committed token of the continuation, labels inside the sequence
+    lo, hi = PROMPT, length - block  # anchor = a committed token of the continuation, labels inside the sequence
     anchors = torch.stack([torch.randperm(hi - lo + 1, generator=gen)[:anchors_per_seq] + lo for _ in range(b)])
-    offsets = torch.arange(BLOCK)
-    pos = (anchors[:, :, None] + offsets).reshape(b, -1)  # [b, m * BLOCK]
+    offsets = torch.arange(block)
+    pos = (anchors[:, :, None] + offsets).reshape(b, -1)  # [b, m * block]
     labels = seqs.gather(1, pos)
-    block = labels.clone().view(b, anchors_per_seq, BLOCK)
-    block[:, :, 1:] = mask_id
-    q = anchors_per_seq * BLOCK
-    ctx_visible = torch.arange(length)[None, None, :] < anchors.repeat_interleave(BLOCK, 1)[:, :, None]  # strictly before
-    ids = torch.arange(anchors_per_seq).repeat_interleave(BLOCK)
+    blocks = labels.clone().view(b, anchors_per_seq, block)
+    blocks[:, :, 1:] = mask_id
+    q = anchors_per_seq * block
+    ctx_visible = torch.arange(length)[None, None, :] < anchors.repeat_interleave(block, 1)[:, :, None]  # strictly before
+    ids = torch.arange(anchors_per_seq).repeat_interleave(block)
     same_block = (ids[:, None] == ids[None, :]).expand(b, q, q)
     mask = torch.cat([ctx_visible, same_block], dim=2)[:, None]  # True: may attend
     position_ids = torch.cat([torch.arange(length).expand(b, length), pos], 1)
-    return block.view(b, q), labels, position_ids, mask
+    return blocks.view(b, q), labels, position_ids, mask
 
 
-def train_draft(target, seqs, feats, steps: int, batch: int, anchors: int, gamma: float, mask_id: int, seed: int, log):
+def train_draft(target, seqs, feats, steps: int, batch: int, anchors: int, gamma: float, mask_id: int, seed: int, log,
+                shape: Shape):
     import torch
 
     torch.manual_seed(seed + 3)
     cls = draft_class()
-    draft = cls(draft_config(mask_id))
+    draft = cls(draft_config(mask_id, shape))
+    size = shape.block
     draft.config._attn_implementation = "sdpa"
     for p in target.parameters():
         p.requires_grad_(False)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    weights = torch.exp(-(torch.arange(1, BLOCK) - 1) / gamma)
+    weights = torch.exp(-(torch.arange(1, size) - 1) / gamma)
     gen = torch.Generator().manual_seed(seed + 4)
     opt = torch.optim.AdamW(draft.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01)
     draft.train()
@@ -234,10 +262,10 @@ def train_draft(target, seqs, feats, steps: int, batch: int, anchors: int, gamma
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, 3e-3, min(50, max(1, steps // 10)))
         rows = torch.randint(0, seqs.shape[0], (batch,), generator=gen)
-        block, labels, position_ids, mask = block_batch(seqs[rows], anchors, gen, mask_id)
+        block, labels, position_ids, mask = block_batch(seqs[rows], anchors, gen, mask_id, size)
         out = draft(position_ids=position_ids, attention_mask=mask, noise_embedding=embed(block), target_hidden=feats[rows])
-        logits = head(out).view(batch, anchors, BLOCK, -1)[:, :, 1:]  # position 0 (the anchor) has no loss
-        gold = labels.view(batch, anchors, BLOCK)[:, :, 1:]
+        logits = head(out).view(batch, anchors, size, -1)[:, :, 1:]  # position 0 (the anchor) has no loss
+        gold = labels.view(batch, anchors, size)[:, :, 1:]
         ce = torch.nn.functional.cross_entropy(logits.flatten(0, 2), gold.flatten(), reduction="none").view_as(gold)
         loss = (ce * weights).sum(-1).mean() / weights.sum()
         loss.backward()
@@ -280,6 +308,7 @@ def train(args) -> None:
 
     torch.set_num_threads(args.threads)
     t0, c0 = time.time(), time.process_time()
+    shape = shape_of(args)
     out = Path(args.out)
     (out / "target").mkdir(parents=True, exist_ok=True)
     (out / "draft").mkdir(parents=True, exist_ok=True)
@@ -299,7 +328,7 @@ def train(args) -> None:
 
         tok = PreTrainedTokenizerFast.from_pretrained(out / "target")
     else:
-        tok = train_tokenizer(texts, out / "target")
+        tok = train_tokenizer(texts, out / "target", shape.vocab)
     mask_id = tok.convert_tokens_to_ids(MASK)
     stream = torch.tensor([t for text in texts for t in tok(text).input_ids + [tok.eos_token_id]], dtype=torch.long)
     log(f"tokenizer: vocab {len(tok)}, corpus {len(texts)} files, {size / 1e6:.1f} MB, {stream.numel()} tokens")
@@ -311,10 +340,10 @@ def train(args) -> None:
         target_meta = previous.get("target", {"steps": args.steps})
         t_time, t_cpu = previous.get("target_seconds"), previous.get("target_cpu_seconds")
     else:
-        target, t_losses = train_target(stream, args.steps, args.batch, args.seed, log)
+        target, t_losses = train_target(stream, args.steps, args.batch, args.seed, log, shape)
         target.save_pretrained(out / "target")
         t_time, t_cpu = round(time.time() - t0, 1), round(time.process_time() - c0, 1)
-        target_meta = {"class": "Qwen3_5ForCausalLM", "layer_types": LAYERS, "hidden": HIDDEN, "steps": args.steps,
+        target_meta = {"class": "Qwen3_5ForCausalLM", "layer_types": list(shape.layers), "hidden": shape.hidden, "steps": args.steps,
                        "batch": args.batch, "seq": SEQ, "tokens_seen": args.steps * args.batch * SEQ,
                        "final_loss": tail(t_losses)}
     held_stream = torch.tensor([t for p in held[:10] for t in tok(read(p)).input_ids + [0]], dtype=torch.long)
@@ -324,10 +353,10 @@ def train(args) -> None:
     meta_path.write_text(json.dumps({"target": target_meta, "target_seconds": t_time, "target_cpu_seconds": t_cpu}, indent=1) + "\n")
     log(f"target saved; held-out loss {target_meta['held_out_loss']:.3f}")
 
-    seqs, feats = distill_set(target, stream, args.distill, args.seed, log)
+    seqs, feats = distill_set(target, stream, args.distill, args.seed, log, shape.target_layer_ids)
     draft_steps = args.draft_steps if args.draft_steps is not None else (args.steps if args.steps < 20 else 1500)
     draft, d_losses, d_accs = train_draft(target, seqs, feats, draft_steps, args.draft_batch, args.anchors, args.gamma,
-                                          mask_id, args.seed, log)
+                                          mask_id, args.seed, log, shape)
     draft.save_pretrained(out / "draft")
     tok.save_pretrained(out / "draft")  # a checkpoint-shaped folder: config, weights, tokenizer
     meta = {
@@ -336,7 +365,8 @@ def train(args) -> None:
         "seed": args.seed, "torch_threads": args.threads,
         "tokenizer": {"kind": "byte-level BPE (tokenizers)", "vocab": len(tok), "eos": EOS, "mask": MASK, "mask_id": mask_id},
         "target": target_meta,
-        "draft": {"class": "DFlashDraftModel", "block_size": BLOCK, "layers": DRAFT_LAYERS, "target_layer_ids": TARGET_LAYER_IDS,
+        "draft": {"class": "DFlashDraftModel", "block_size": shape.block, "layers": shape.draft_layers,
+                  "target_layer_ids": list(shape.target_layer_ids),
                   "steps": draft_steps, "batch": args.draft_batch, "anchors_per_sequence": args.anchors,
                   "loss_decay_gamma": args.gamma, "distillation_sequences": args.distill,
                   "distillation": f"{PROMPT}-token corpus prompts, the target's greedy continuation to {SEQ} tokens",
@@ -365,6 +395,7 @@ def measure(args) -> dict:
     from model import DFlashDraftModel
 
     meta = json.loads((out / "metadata.json").read_text())
+    block = args.block or meta["draft"]["block_size"]
     target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32, local_files_only=True).eval()
     draft = DFlashDraftModel.from_pretrained(out / "draft", dtype=torch.float32, local_files_only=True).eval()
     tok = AutoTokenizer.from_pretrained(out / "target", local_files_only=True)
@@ -374,7 +405,7 @@ def measure(args) -> dict:
 
     def call(name, budget, ids):
         kw = dict(model=draft, target=target, input_ids=ids, mask_token_id=draft.mask_token_id, max_new_tokens=args.new,
-                  block_size=args.block, stop_token_ids=[], temperature=0.0)
+                  block_size=block, stop_token_ids=[], temperature=0.0)
         if budget is None:
             return dflash_generate(**kw)
         return ddtree_generate(**kw, tree_budget=budget)
@@ -415,7 +446,8 @@ def write_floor(args) -> dict:
     tok = AutoTokenizer.from_pretrained(out / "target", local_files_only=True)
     texts = meta["held_out_prompts"]
     data = acceptance.measure(
-        target, draft, out / "target", out / "draft", [tok(p).input_ids for p in texts], texts, block_size=BLOCK,
+        target, draft, out / "target", out / "draft", [tok(p).input_ids for p in texts], texts,
+        block_size=meta["draft"]["block_size"],
         budgets=FLOOR_BUDGETS, max_new_tokens=FLOOR_NEW, stop_ids=[tok.eos_token_id],
         command="python tools/train_tiny_pair.py --floor" + (f" --out {args.out}" if Path(args.out) != DEFAULT_OUT else ""),
         progress=lambda msg: print(f"[{time.time() - t0:6.0f}s] {msg}", flush=True))
@@ -442,7 +474,14 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse-target", action="store_true", help="keep --out's target (and tokenizer): train the drafter only")
     ap.add_argument("--floor", action="store_true", help="only (re)write acceptance_floor.json for --out's pair")
     ap.add_argument("--measure", metavar="TREE", default=None, help="a patched DDTree tree: measure acceptance instead of training")
-    ap.add_argument("--block", type=int, default=BLOCK)
+    ap.add_argument("--block", type=int, default=None, help="the drafter's block size (default 8; --measure: the pair's own)")
+    ap.add_argument("--vocab", type=int, default=Shape.vocab, help="BPE vocabulary of the tokenizer and both models")
+    ap.add_argument("--hidden", type=int, default=Shape.hidden, help="hidden size of both models")
+    ap.add_argument("--layers", default=None, help="the target's layer types, comma-separated: linear, full "
+                                                   "(default: linear x3 then full, twice)")
+    ap.add_argument("--draft-layers", type=int, default=Shape.draft_layers)
+    ap.add_argument("--target-layer-ids", default=None, help="the drafter's target layers, comma-separated (default 1,4,6)")
+    ap.add_argument("--no-floor", action="store_true", help="train without writing acceptance_floor.json")
     ap.add_argument("--new", type=int, default=64, help="--measure: new tokens per prompt")
     ap.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32])
     args = ap.parse_args(argv)
@@ -453,7 +492,8 @@ def main(argv=None) -> int:
         write_floor(args)
     else:
         train(args)
-        write_floor(args)
+        if not args.no_floor:
+            write_floor(args)
     return 0
 
 
