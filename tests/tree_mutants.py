@@ -190,3 +190,29 @@ def import_tree(tree: Path):
         for name in [n for n in sys.modules if ours(n)]:
             del sys.modules[name]
         sys.modules.update(before)
+
+
+#: the decoders a mutant's copy renames, so that every mutant is a decoder of its own in one tree
+DECODERS = ("ddtree_generate", "dflash_generate")
+
+
+def plant_together(tree: Path, mutants: list[Mutant], out: Path) -> dict[str, str]:
+    """A copy of the patched ``tree`` at ``out`` holding every mutant beside the correct code: each mutant's files as
+    copies (``ddtree_<name>.py``) with its edits, their decoders renamed (``ddtree_generate__<name>``), so that one
+    verify judges them all, each decoder on its own. Returns decoder function -> mutant name."""
+    out = Path(shutil.copytree(tree, out))
+    names = {}
+    for mutant in mutants:
+        ident = mutant.name.replace("-", "_")
+        for file in mutant.files:
+            text = (out / file).read_text()
+            for e in (e for e in mutant.edits if e.file == file):
+                if text.count(e.old) != 1:
+                    raise ValueError(f"{mutant.name}: {file} holds {e.old!r} {text.count(e.old)} time(s), not once")
+                text = text.replace(e.old, e.new)
+            for fn in DECODERS:
+                if f"def {fn}(" in text:
+                    text = text.replace(f"def {fn}(", f"def {fn}__{ident}(")
+                    names[f"{fn}__{ident}"] = mutant.name
+            (out / f"{Path(file).stem}_{ident}.py").write_text(text)
+    return names

@@ -289,11 +289,27 @@ def _label(decoders: list[Decoder], info: dict) -> None:
     # copies of the same code are verified once, through the canonical decoder where one is a copy
     # (dflash_generate, not a renamed duplicate in a file sorted before it)
     for d in sorted(decoders, key=lambda d: d.label not in CANONICAL):
-        code = info[(d.file, d.qualname)]["code"]
+        code = _with_helpers(d.file, d.qualname, info)
         if code in seen_code and d.cls is None:
             d.same_as = seen_code[code].label
         else:
             seen_code.setdefault(code, d)
+
+
+def _with_helpers(file: str, qualname: str, info: dict) -> str:
+    """A decoder's code for telling copies apart: its own body and the bodies of the functions of its file it calls,
+    transitively. Two files' ``ddtree_generate`` with the same body are no copies when the tree builder each calls
+    in its own file differs."""
+    local = {q: f for (fl, q), f in info.items() if fl == file and "." not in q}
+    seen, todo, parts = set(), [qualname], []
+    while todo:
+        q = todo.pop()
+        if q in seen or (file, q) not in info:
+            continue
+        seen.add(q)
+        parts.append(info[(file, q)]["code"] if q == qualname else f"{q}:{info[(file, q)]['code']}")  # a renamed copy is a copy
+        todo += sorted(n for n in info[(file, q)]["calls"] if n in local)
+    return "\n".join(sorted(parts[1:]) + parts[:1])
 
 
 def parse_entry(spec: str) -> tuple[str, str]:
