@@ -83,6 +83,8 @@ class Fn:
     received: dict[str, set[str]] = field(default_factory=dict)
     #: var -> (factory, call) for ``var = factory(...)`` with a module function
     factory_uses: dict[str, list[tuple["Fn", cst.Call]]] = field(default_factory=dict)
+    #: ids of the values in ``assigns`` that an augmented assignment adds (``n += k``: ``k``), with the operator
+    augments: dict[int, str] = field(default_factory=dict)
 
     def role(self, name: str | None) -> set[str]:
         return self.roles.get(name, set()) if name else set()
@@ -185,8 +187,9 @@ class _Collect(cst.CSTVisitor):
             self._assign(node.target, node.value)
 
     def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        # ``n += k`` keeps what n was and adds k's flow
+        # ``n += k`` keeps what n was and adds k's flow; a reader of values (crop-compat) sees it as an offset
         self._assign(node.target, node.value)
+        self.fn.augments[id(node.value)] = type(node.operator).__name__
 
     def visit_Return(self, node: cst.Return) -> None:
         if node.value is not None:
