@@ -27,6 +27,7 @@ from typing import Iterable
 
 from ..errors import EngineError
 from ..results import ALREADY_APPLIED, APPLIED, FIXED_UPSTREAM, UNCLASSIFIED, FileResult, Report, Site, VendoredFolder
+from .absent import settle_absent_anchors
 from .classify import classify, mark_skipped
 from .codemods import CODEMODS
 from .codemods.base import IN_PACKAGE, PATCHED, place, site_positions
@@ -431,6 +432,7 @@ def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: in
     report = Report(recipe, root, upstream, files + skipped, steps, missing, vendored, decoders=found.decoders if found else {},
                     exclude=exclude, excluded=excluded)
     mark_skipped(report)
+    settle_absent_anchors(report, specs, texts)
     if found is not None:
         suggest_excludes(report, reached_by_decoders(report))
     return report

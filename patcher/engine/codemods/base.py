@@ -186,6 +186,12 @@ class Step(VisitorBasedCodemodCommand):
         return {}
 
     @classmethod
+    def looks_for(cls, params: dict[str, Any]) -> str:
+        """What the step changes, as a noun phrase ("a module-level import of datasets"): said where an anchor of a
+        benchmark is gone from the tree (``patcher.engine.absent``)."""
+        return "what this step rewrites"
+
+    @classmethod
     def near_miss(cls, text: str, function: str, params: dict[str, Any]) -> str | None:
         """What ``function`` (an anchor, or a helper it calls, with no site and no ``evidence``) does instead, read from
         its file's ``text``: said in the anchor's no-match, so that a user sees the form ddpatch saw. None: nothing."""

@@ -131,6 +131,10 @@ class GuardCall(Step):
                 return True
         return False
 
+    @classmethod
+    def looks_for(cls, params) -> str:
+        return "a call of " + " / ".join(params["calls"])
+
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)
         self._guards: list[str] = []
