@@ -101,3 +101,92 @@ def test_a_gone_helper_whose_form_is_still_in_the_tree_unmatched_stays_no_match(
     assert code == 1 and lazy["status"] == "no-match"
     [anchor] = lazy["anchors"]
     assert "data.py has an import of datasets at module level" in anchor["message"] and "--exclude" in anchor["message"]
+
+
+# ----------------------------------------------------------------------------- a cache built by a helper of another file
+FACTORY = '''
+from transformers import DynamicCache
+
+
+def create_generation_cache(config):
+    text = getattr(config, "text_config", config)
+    cache = DynamicCache(config=text)
+    return cache
+'''
+
+
+def with_factory(decoder_caches: str) -> str:
+    """The decoder with its caches built by ``create_generation_cache`` of ``generation_cache.py``."""
+    return DECODER.replace("from transformers import DynamicCache\n", "from generation_cache import create_generation_cache\n").replace(
+        "    target_cache = DynamicCache()\n    draft_cache = DynamicCache()\n", decoder_caches)
+
+
+def test_a_cache_built_from_the_targets_config_by_a_helper_of_another_file_is_fixed_upstream(tmp_path):
+    root = tree(tmp_path / "fork", {"generation_cache.py": FACTORY, "dflash.py": with_factory(
+        "    target_cache = create_generation_cache(target.config)\n    draft_cache = create_generation_cache(model.config)\n")})
+    _code, payload = check(root)
+    found = step(payload, "target-cache-config")
+    assert found["status"] == "fixed-upstream", found
+    [site] = [s for s in found["sites"] if s["status"] == "fixed-upstream"]
+    assert site["path"] == "dflash.py" and "generation_cache.py:4" in site["message"]
+
+
+@pytest.mark.parametrize("caches,why", [
+    ("    target_cache = create_generation_cache(model.config)\n    draft_cache = create_generation_cache(model.config)\n",
+     "not the target's config"),
+    ("    target_cache = create_generation_cache(target.config)\n    draft_cache = create_generation_cache(target.config)\n",
+     "the drafter's cache is built from the target's config"),
+])
+def test_a_helper_given_the_wrong_models_config_is_refused_with_the_edit(tmp_path, caches, why):
+    root = tree(tmp_path / "fork", {"generation_cache.py": FACTORY, "dflash.py": with_factory(caches)})
+    code, payload = check(root)
+    found = step(payload, "target-cache-config")
+    assert code == 1 and found["status"] == "no-match"
+    assert any(why in s["message"] and "give it" in s["message"] for s in found["sites"] if s["status"] == "no-match")
+
+
+def test_a_helper_of_the_same_name_defined_otherwise_elsewhere_is_no_factory(tmp_path):
+    """Two `create_generation_cache` in the tree: the call could reach the bare one, so nothing rests on the other. The
+    refusal names the call and the edit."""
+    root = tree(tmp_path / "fork", {"generation_cache.py": FACTORY, "other.py": "def create_generation_cache(config):\n    return None\n",
+                                    "dflash.py": with_factory("    target_cache = create_generation_cache(target.config)\n"
+                                                              "    draft_cache = create_generation_cache(model.config)\n")})
+    _code, payload = check(root)
+    found = step(payload, "target-cache-config")
+    [anchor] = found["anchors"]
+    assert found["status"] == "no-match" and "`create_generation_cache(...)` (line 6)" in anchor["message"], found
+    assert "build the target's cache with `DynamicCache(config=<target>.config)`" in anchor["message"]
+
+
+def test_a_text_config_cache_lays_out_the_layers_the_targets_own_config_does():
+    """What the fixed-upstream above rests on: `getattr(config, "text_config", config)` gives a nested hybrid (the
+    VLM layout) the same cache layers as its own config, linear-attention layers included."""
+    from transformers import DynamicCache
+
+    from patcher.verify.presets import build_target
+
+    for preset in ("tiny-qwen3_5-vlm", "tiny-qwen3_5"):
+        config = build_target(preset, seed=0).config
+        own = [type(layer).__name__ for layer in DynamicCache(config=config).layers]
+        text = [type(layer).__name__ for layer in DynamicCache(config=getattr(config, "text_config", config)).layers]
+        assert own == text and "LinearAttentionLayer" in own, (preset, own, text)
+
+
+# ----------------------------------------------------------------------------- embeddings: the accessor first, attributes after
+EMBEDS = '''
+def input_embeddings(model):
+    get = getattr(model, "get_input_embeddings", None)
+    embed = get() if callable(get) else None
+    if embed is None:
+        embed = getattr(model, "embed_tokens", None)
+    return embed
+'''
+
+
+def test_an_embedding_helper_that_asks_the_accessor_first_is_fixed_upstream(tmp_path):
+    decoder = DECODER.replace("from transformers import DynamicCache\n", "from transformers import DynamicCache\nfrom embeds import input_embeddings\n")
+    decoder = decoder.replace("target.get_input_embeddings()(block)", "input_embeddings(target)(block)")
+    _code, payload = check(tree(tmp_path / "fork", {"embeds.py": EMBEDS, "dflash.py": decoder}))
+    found = step(payload, "input-embeddings")
+    assert found["status"] == "fixed-upstream", found
+    assert [a["status"] for a in found["anchors"]] == ["fixed-upstream"] and "embeds.py" == found["anchors"][0]["path"]

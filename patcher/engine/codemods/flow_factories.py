@@ -121,3 +121,25 @@ def config_factories(sources: dict[str, str]) -> dict[str, list]:
         defined = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(" + "|".join(map(re.escape, out)) + r")\b", re.M)
         spoiled |= {name for text in others for name in defined.findall(text)}
     return {name: entry for name, entry in out.items() if name not in spoiled}
+
+
+def unread_cache_source(text: str, function: str) -> str | None:
+    """Where ``function`` (an anchor with no site for ``target-cache-config``) gets the cache it gives a model: the call
+    it assigns it from, said in the anchor's no-match with the edit to make; None when it has no such call."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError):
+        return None
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name != function:
+            continue
+        given = {k.value.id for c in ast.walk(fn) if isinstance(c, ast.Call) for k in c.keywords
+                 if k.arg in ("past_key_values", "cache") and isinstance(k.value, ast.Name)}
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and any(
+                    isinstance(t, ast.Name) and t.id in given for t in node.targets):
+                made = ast.unparse(node.value.func)
+                return (f"its cache comes from `{made}(...)` (line {node.lineno}), which ddpatch cannot read as one "
+                        f"`DynamicCache(config=...)` built from the target's config (defined twice in the tree, or not in it); "
+                        "build the target's cache with `DynamicCache(config=<target>.config)` where the decoder can be read")
+    return None

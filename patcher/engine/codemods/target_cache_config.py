@@ -54,7 +54,7 @@ from libcst.metadata import PositionProvider, QualifiedNameProvider
 from .base import (APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, UNCLASSIFIED, Example, Step, code, dotted, is_runtime_call, keyword,
                    runtime_call)
 from .flow import ROLE_TRIGGER, DRAFT_CACHE, DRAFTER, TARGET, TARGET_CACHE, Fn, ModuleFlow, is_role
-from .flow_factories import config_factories
+from .flow_factories import config_factories, unread_cache_source
 from .flow_prefilter import may_have_roles
 from .flow_tree import may_have_targets, target_seeds
 
@@ -181,6 +181,10 @@ class TargetCacheConfig(Step):
         """The tree's functions that callers hand the target beside a decoder (``flow_tree.target_seeds``)."""
         found = {"seeds": target_seeds(sources), "factories": config_factories(sources)}
         return {key: value for key, value in found.items() if value}
+
+    @classmethod
+    def near_miss(cls, text: str, function: str, params: dict) -> str | None:
+        return unread_cache_source(text, function)
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)
