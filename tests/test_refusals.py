@@ -190,3 +190,49 @@ def test_an_embedding_helper_that_asks_the_accessor_first_is_fixed_upstream(tmp_
     found = step(payload, "input-embeddings")
     assert found["status"] == "fixed-upstream", found
     assert [a["status"] for a in found["anchors"]] == ["fixed-upstream"] and "embeds.py" == found["anchors"][0]["path"]
+
+
+# ----------------------------------------------------------------------------- the legacy round trip that copies the cache
+def test_the_round_trip_becomes_a_deepcopy_that_copies_a_hybrid_cache_exactly():
+    """What `removed-cache-api`'s rewrite rests on, on the installed release: `copy.deepcopy` of a hybrid cache (linear-
+    attention layers included) continues exactly as a cache rebuilt from the same tokens does, and leaves the original
+    as it was; on a pure-attention cache it holds the keys and values the 4.x round trip (the runtime's own
+    `to_legacy_cache` / `from_legacy_cache`) rebuilds."""
+    import copy
+
+    import torch
+    from transformers import DynamicCache
+
+    from patcher.runtime import from_legacy_cache, to_legacy_cache
+    from patcher.verify.presets import build_target
+
+    prompt, more = torch.tensor([[3, 14, 15, 9, 26, 5]]), torch.tensor([[35, 8]])
+    m = build_target("tiny-qwen3_5", seed=0)
+    with torch.no_grad():
+        cache = DynamicCache(config=m.config)
+        m(prompt, past_key_values=cache, use_cache=True)
+        before = [t.clone() for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+        twin = copy.deepcopy(cache)
+        copied = m(more, past_key_values=twin, use_cache=True).logits
+        fresh = m(torch.cat([prompt, more], dim=1), past_key_values=DynamicCache(config=m.config), use_cache=True).logits[:, -2:]
+        after = [t for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    assert any(type(layer).__name__ == "LinearAttentionLayer" for layer in cache.layers)
+    torch.testing.assert_close(copied, fresh, rtol=1e-4, atol=1e-5)
+    assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after)), "the copy's forward reached the original"
+
+    attention = build_target("tiny-qwen3", seed=0)
+    with torch.no_grad():
+        cache = DynamicCache(config=attention.config)
+        attention(prompt, past_key_values=cache, use_cache=True)
+    rebuilt = from_legacy_cache(tuple((k.clone(), v.clone()) for k, v in to_legacy_cache(cache)))
+    for a, b in zip(to_legacy_cache(copy.deepcopy(cache)), to_legacy_cache(rebuilt)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_legacy_round_trip_that_clones_every_tensor_is_pending_not_refused(tmp_path):
+    decoder = DECODER.replace("    start = input_ids.shape[1]\n", "    prompt_cache = _snapshot(target_cache)\n    start = input_ids.shape[1]\n")
+    decoder += ('\n\ndef _snapshot(cache):\n    legacy = cache.to_legacy_cache()\n'
+                '    return DynamicCache.from_legacy_cache(tuple((k.clone(), v.clone()) for k, v in legacy))\n')
+    code, payload = check(tree(tmp_path / "fork", {"dflash.py": decoder}))
+    found = step(payload, "removed-cache-api")
+    assert found["status"] == "pending" and "copy.deepcopy(cache)" in found["sites"][0]["message"], found
