@@ -236,3 +236,44 @@ def test_a_legacy_round_trip_that_clones_every_tensor_is_pending_not_refused(tmp
     code, payload = check(tree(tmp_path / "fork", {"dflash.py": decoder}))
     found = step(payload, "removed-cache-api")
     assert found["status"] == "pending" and "copy.deepcopy(cache)" in found["sites"][0]["message"], found
+
+
+# ----------------------------------------------------------------------------- what a refusal prints
+CHAINED = '''
+from transformers import DynamicCache
+
+
+def dflash_generate(model, target, input_ids, max_new_tokens, block_size):
+    target_cache = DynamicCache()
+    draft_cache = DynamicCache()
+    out = target(input_ids, past_key_values=target_cache, output_hidden_states=True)
+    model(target_hidden=out.hidden_states[-1], noise_embedding=target.get_input_embeddings()(input_ids), past_key_values=draft_cache)
+    a0 = target_cache.get_seq_length() + 1
+{links}
+{crops}
+'''
+
+
+def test_a_refusal_is_a_short_line_per_site_that_says_its_chain_once_and_the_way_forward(tmp_path):
+    """Twelve crops read the same ambiguous value through a chain of thirty names: twelve lines, each under 1,000
+    characters; the chain is given by the first, the others point at it; each names a way forward."""
+    links = "\n".join(f"    a{i} = a{i - 1} * 2 + {i}" for i in range(1, 31))
+    crops = "\n".join(f"    {'target' if i % 2 else 'draft'}_cache.crop(a30)" for i in range(12))
+    root = tree(tmp_path / "fork", {"dflash.py": CHAINED.format(links=links, crops=crops)})
+    result = CliRunner().invoke(main, ["check", str(root), *RECIPE], catch_exceptions=False)
+    lines = [line for line in result.stderr.splitlines() if "no-match crop-compat" in line]
+    assert result.exit_code == 1 and len(lines) == 12
+    assert max(len(line) for line in lines) < 1000
+    assert sum("a0 = " in line or "`a0` is assigned" in line for line in lines) == 1, "the chain is said once"
+    assert all("as at dflash.py:" in line for line in lines[1:])
+    assert "crop_cache(cache, length)" in lines[0] and all("--allow-partial" in line for line in lines)
+
+
+def test_a_refusal_of_a_lossless_step_does_not_offer_allow_partial(tmp_path):
+    """Without verify-forward a patched tree decodes lossy: its refusal asks for the edit, never for --allow-partial."""
+    decoder = DECODER.replace("target(block, past_key_values=target_cache, output_hidden_states=True)", "_run(target, block, target_cache)")
+    decoder = decoder.replace("target(input_ids, past_key_values=target_cache, output_hidden_states=True)", "_run(target, input_ids, target_cache)")
+    decoder += "\n\ndef _run(target, ids, cache):\n    return target(ids, past_key_values=cache, output_hidden_states=True)\n"
+    result = CliRunner().invoke(main, ["check", str(tree(tmp_path / "fork", {"dflash.py": decoder})), *RECIPE], catch_exceptions=False)
+    lines = [line for line in result.stderr.splitlines() if "no-match verify-forward" in line]
+    assert lines and all("--allow-partial" not in line and "make the edit by hand" in line for line in lines), lines
