@@ -343,6 +343,13 @@ def cache_keyword(call: cst.Call) -> cst.Arg | None:
     return arg
 
 
+def runtime_import_statement(step: Step) -> cst.BaseStatement:
+    """The runtime's import as a statement of its own, for a function to import it where it is used (a module that
+    keeps torch lazy must not import the runtime, which imports torch, at module level)."""
+    relative = step.context.scratch.get(IN_PACKAGE)
+    return cst.parse_statement(f"from . import {RUNTIME_MODULE}\n" if relative else f"import {RUNTIME_MODULE}\n")
+
+
 def runtime_call(step: Step, function: str, args: Sequence[cst.Arg]) -> cst.Call:
     return cst.Call(func=cst.Attribute(value=step.runtime(), attr=cst.Name(function)), args=list(args))
 
