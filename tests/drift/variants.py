@@ -1100,3 +1100,4 @@ BY_NAME.update({v.name: v for v in _CACHE_KEYWORD})
 # first imports this module, whose last lines then import the other: every variant is registered once, in any order.
 from . import variants_newest  # noqa: E402,F401  (DFlash's newest upstream: registers its variants here)
 from . import variants_forks  # noqa: E402,F401  (registers the shapes of real forks, issue 39)
+from . import variants_refusals  # noqa: E402,F401  (registers the shapes refused without need, issue 42)
