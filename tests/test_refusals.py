@@ -82,11 +82,13 @@ def test_a_benchmark_helper_renamed_answers_through_the_sites_found_elsewhere(tm
         "dflash.py": DECODER,
         "timing.py": "import time\nimport torch\n\n\ndef _timer():\n    torch.cuda.synchronize()\n    return time.perf_counter()\n",
         "data.py": "def _load(name):\n    from datasets import load_dataset\n    return load_dataset(name)\n",
+        "run.py": "def load(path, flash):\n    return dict(attn_implementation=\"flash_attention_2\" if flash else \"sdpa\")\n",
     })
     _code, payload = check(root)
-    timing, lazy = step(payload, "cpu-safe-timing"), step(payload, "lazy-datasets")
+    timing, lazy, attn = step(payload, "cpu-safe-timing"), step(payload, "lazy-datasets"), step(payload, "attn-fallback")
     assert timing["status"] == "pending" and timing["anchors"] == [] and [s["path"] for s in timing["sites"]] == ["timing.py"]
     assert lazy["status"] == "fixed-upstream" and lazy["anchors"] == [] and [s["path"] for s in lazy["sites"]] == ["data.py"]
+    assert attn["status"] == "fixed-upstream" and attn["anchors"] == [] and [s["path"] for s in attn["sites"]] == ["run.py"]
 
 
 def test_a_gone_helper_whose_form_is_still_in_the_tree_unmatched_stays_no_match(tmp_path):
