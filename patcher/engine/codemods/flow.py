@@ -483,10 +483,7 @@ class ModuleFlow:
 
 def _block(node) -> list:
     body = getattr(node, "body", None)
-    if isinstance(body, (cst.IndentedBlock, cst.SimpleStatementSuite)):
-        stmts = list(body.body)
-    else:
-        stmts = []
+    stmts = list(body.body) if isinstance(body, (cst.IndentedBlock, cst.SimpleStatementSuite)) else []
     for extra in ("orelse", "finalbody"):
         part = getattr(node, extra, None)
         if part is not None and hasattr(part, "body"):
