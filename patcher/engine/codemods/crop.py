@@ -16,6 +16,10 @@ So the step reads each crop's argument (data flow inside the module, ``flow.py``
 * **ambiguous**: a mix of the two (a name assigned both ways, a helper called with both),
   or an expression that reads ``get_seq_length()`` in another form (``len - n``).
 
+``n += k`` is an offset: it keeps what ``n`` is (only an offset read from a cache's length mixes a length
+with a count), and a model call's output (the logits an accepted count is drawn from) is no arithmetic of
+the positions it was given, so the reading never follows into a model call's arguments.
+
 Only receivers that are caches by data flow are touched: a name built by a ``*Cache(...)``
 call or a cache factory of the module, given to a model as ``past_key_values=``, a
 parameter called ``past_key_values`` or annotated as a cache, one that ``.get_seq_length()``

@@ -24,7 +24,8 @@ Statuses and the evidence each rests on:
 * ``already-applied`` / ``fixed-upstream`` -- the target's cache is built with
   ``config=<target>.config`` (``already-applied`` with ddpatch's provenance line), or
   with another expression that reads the target and nothing of the drafter; a shared
-  factory gives each cache its own model's config.
+  factory gives each cache its own model's config; a config factory of another file
+  (``flow_factories``: ``create_generation_cache(target.config)``) is given the target's config.
 * ``applied`` (at run time) -- where the code does not say which cache is the target's
   (one factory returning both bare caches, a shared bare factory, caches kept in a dict or
   a namespace, ``DynamicCache() if ... else ...``, a cache from a call ddpatch cannot read),
