@@ -279,3 +279,13 @@ def test_a_refusal_of_a_lossless_step_does_not_offer_allow_partial(tmp_path):
     result = CliRunner().invoke(main, ["check", str(tree(tmp_path / "fork", {"dflash.py": decoder})), *RECIPE], catch_exceptions=False)
     lines = [line for line in result.stderr.splitlines() if "no-match verify-forward" in line]
     assert lines and all("--allow-partial" not in line and "make the edit by hand" in line for line in lines), lines
+
+
+def test_a_refusal_quoting_code_split_over_lines_is_still_one_line(tmp_path):
+    """A reason may quote a call written one argument per line: the refusal stays one line of stderr."""
+    decoder = DECODER.replace("    target_cache = DynamicCache()\n",
+                              "    target_cache = DynamicCache(\n        config=model.config,\n    )\n")
+    result = CliRunner().invoke(main, ["check", str(tree(tmp_path / "fork", {"dflash.py": decoder})), *RECIPE], catch_exceptions=False)
+    refusals = [line for line in result.stderr.splitlines() if "target-cache-config" in line]
+    assert result.exit_code == 1 and refusals and all(line.startswith("ddpatch: error: no-match target-cache-config: ") for line in refusals)
+    assert any("DynamicCache( config=model.config, )" in line for line in refusals), refusals

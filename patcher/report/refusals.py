@@ -47,10 +47,10 @@ def error_lines(report: Report) -> list[str]:
 def _refusals(report: Report, step, failed) -> list[str]:
     """The lines of one no-match step: each no-match site, then each no-match anchor whose reason no site gave."""
     sites = [x for x in step.sites if x.status == NO_MATCH]
-    entries = [(f"{x.path}:{x.line}", x.message) for x in sites]
-    said = {x.message for x in sites}
-    entries += [((f"{a.path}:{a.line} " if a.path else "") + f"`{a.function}`", a.message) for a in failed
-                if not any(a.message.startswith(m) for m in said)]
+    entries = [(f"{x.path}:{x.line}", _one_line(x.message)) for x in sites]
+    said = {m for _where, m in entries}
+    entries += [((f"{a.path}:{a.line} " if a.path else "") + f"`{a.function}`", _one_line(a.message)) for a in failed
+                if not any(_one_line(a.message).startswith(m) for m in said)]
     if not entries:
         nothing = "nothing matched" + ("" if report.upstream else " (no layout was detected, so no anchor says where the step must act)")
         entries = [("", nothing)]
@@ -71,6 +71,11 @@ def _refusals(report: Report, step, failed) -> list[str]:
         room = LINE_CHARS - len(head) - len(tail) - 1
         lines.append(head + (message if len(message) <= room else message[: room - 1] + "…") + tail)
     return lines
+
+
+def _one_line(message: str) -> str:
+    """A reason that quotes code split over lines (a call with one argument per line), on one line."""
+    return " ".join(message.split())
 
 
 def _repeated(message: str, earlier: str) -> str | None:
