@@ -33,6 +33,7 @@ import pytest
 from corpus_support import RECIPE, VENDORED, installed_release, package_root, recorded, recorded_vendored, sample_tree
 from corpus_support import sites_per_file, sites_per_kind
 from patcher.engine.codemods import CODEMODS
+from patcher.engine.codemods.base import ast_dotted
 from patcher.engine.files import read_source
 from patcher.engine.pipeline import discover, prefilter, prefilter_tree, run_recipe, transform_source
 
@@ -66,7 +67,9 @@ SKIP_RECEIVER = re.compile(r"(?:self|cls)\.(?:model\.embed_tokens|get_input_embe
 #: What the source at a site starts with (the site's column), per step.
 SHAPES = {
     "input-embeddings": re.compile(r"[\w.()\[\]]*?\.(?:model\.embed_tokens|get_input_embeddings\(\)|language_model\.embed_tokens)|[\w.]+\([^()]*\)\.get_input_embeddings\(\)"),
-    "cpu-safe-timing": re.compile(r"(?:torch\.cuda\.|cuda\.)?(?:synchronize|set_device)\("),
+    # a device-only statement, or a timing event's constructor (built through the runtime's stand-in)
+    "cpu-safe-timing": re.compile(r"(?:torch\.cuda\.|cuda\.)?(?:synchronize|set_device|reset_peak_memory_stats|reset_max_memory_allocated"
+                                  r"|reset_accumulated_memory_stats|Event)\(|_ddpatch_runtime\.cuda_event\("),
     # self.cache.crop(-n) too; and a cache's past recording, which goes through record_past
     "crop-compat": re.compile(r"[\w.]+\.(?:crop|activate_past_recording)\(|_ddpatch_runtime\.(?:crop_cache|record_past)\("),
     "draft-sliding-window": re.compile(r"[\w.]+\s*\(|_ddpatch_runtime\.draft_forward\("),
@@ -201,7 +204,11 @@ def test_sampled_sites_on_the_syntax_tree(corpus):
         elif site.step == "input-embeddings":
             tree.node(site, ast.Attribute, ast.Call)
         elif site.step == "cpu-safe-timing":
-            assert isinstance(tree.node(site, ast.Expr).value, ast.Call)
+            found = tree.node(site, ast.Expr, ast.Call)
+            call = found.value if isinstance(found, ast.Expr) else found
+            assert isinstance(call, ast.Call), f"{f.path}:{site.line}: not a call"
+            if isinstance(found, ast.Call):  # a value, not a statement: only an event is built through the runtime
+                assert (ast_dotted(call.func) or "").endswith("Event"), f"{f.path}:{site.line}: {ast.unparse(call)}"
         elif site.step == "crop-compat" and site.status == "applied":
             call = tree.node(site, ast.Call)
             assert isinstance(call.func, ast.Attribute), f"{f.path}:{site.line}: not a method call"

@@ -27,10 +27,13 @@ from typing import Iterable
 
 from ..errors import EngineError
 from ..results import ALREADY_APPLIED, APPLIED, FIXED_UPSTREAM, UNCLASSIFIED, FileResult, Report, Site, VendoredFolder
+from .absent import settle_absent_anchors
 from .classify import classify, mark_skipped
 from .codemods import CODEMODS
 from .codemods.base import IN_PACKAGE, PATCHED, place, site_positions
 from .files import add_runtime_files, defined_functions, not_regular, read_file, read_provenance, write_provenance
+from .insert import insert_imports
+from .packages import package_modes
 from .prefilter import prefilter, prefilter_tree  # noqa: F401  (stage 2; tests import them from here)
 from .recipe import Recipe, StepSpec
 from .survey import leave_out, leaves_out, reached_by_decoders, refuse, shown_decoders, suggest_excludes, unsearched
@@ -228,7 +231,7 @@ def _transform(text: str, steps: list[tuple[StepSpec, type]], in_package: bool) 
     for step in instances:
         step.metadata = metadata
     new = wrapper.module.visit(_composite(instances))
-    new = insert_imports(new, context.scratch.get(AddImportsVisitor.CONTEXT_KEY, []))
+    new = insert_imports(new, context.scratch.get(AddImportsVisitor.CONTEXT_KEY, []), in_package)
     sites: list[Site] = []
     needs_runtime = False
     for (spec, cls), step in zip(steps, instances):
@@ -244,58 +247,13 @@ def _transform(text: str, steps: list[tuple[StepSpec, type]], in_package: bool) 
     return new.code, sites, needs_runtime
 
 
-def insert_imports(module, items):
-    """Add the imports steps asked for (LibCST ``ImportItem``s) after the module's import block.
-
-    LibCST's AddImportsVisitor does the same with a second parse-and-metadata pass; this
-    scans only the top-level statements.
-    """
-    import libcst as cst
-
-    from .codemods.base import dotted
-
-    if not items:
-        return module
-    have: set[tuple[str, str | None]] = set()
-    after = 0  # insert after the docstring, __future__ imports and the import block
-    for i, stmt in enumerate(module.body):
-        if not isinstance(stmt, cst.SimpleStatementLine):
-            break
-        small = stmt.body[0]
-        if isinstance(small, cst.Import):
-            have.update((dotted(a.name) or "", None) for a in small.names)
-        elif isinstance(small, cst.ImportFrom):
-            mod = "." * len(small.relative) + (dotted(small.module) if small.module else "")
-            names = [] if isinstance(small.names, cst.ImportStar) else [dotted(a.name) for a in small.names]
-            have.update((mod, n) for n in names)
-        elif not (i == 0 and isinstance(small, cst.Expr) and isinstance(small.value, (cst.SimpleString, cst.ConcatenatedString))):
-            break
-        after = i + 1
-    new_lines = []
-    for item in items:
-        key = (item.module, item.obj_name)
-        if key in have:
-            continue
-        have.add(key)
-        if item.obj_name is None:
-            new_lines.append(cst.parse_statement(f"import {item.module_name}" + (f" as {item.alias}" if item.alias else "")))
-        else:
-            text = f"from {item.module} import {item.obj_name}" + (f" as {item.alias}" if item.alias else "")
-            new_lines.append(cst.parse_statement(text))
-    if not new_lines:
-        return module
-    body = list(module.body)
-    if after < len(body) and not body[after].leading_lines:
-        body[after] = body[after].with_changes(leading_lines=[cst.EmptyLine()])  # a blank line after the imports
-    return module.with_changes(body=body[:after] + new_lines + body[after:])
-
-
-def process_file(root: Path, path: Path, steps: list[tuple[StepSpec, type]], recipe: Recipe) -> FileResult:
+def process_file(root: Path, path: Path, steps: list[tuple[StepSpec, type]], recipe: Recipe, in_package=None) -> FileResult:
     """One file through stages 2 to 4: read, prefilter, parse and run ``steps``."""
     result, _ = read_file(root, path)
     active = prefilter(result.original, steps) if result.error is None else []
     if active:
-        merge(result, parse_file(result.original, active, (path.parent / "__init__.py").exists(), recipe))
+        package = (path.parent / "__init__.py").exists() if in_package is None else in_package
+        merge(result, parse_file(result.original, active, package, recipe))
     return result
 
 
@@ -420,7 +378,8 @@ def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: in
         read = [(result, text) for (result, text), path in zip(read, paths) if path in kept]
         paths = [path for path in paths if path in kept]
     specs = [(tree_scan(spec, CODEMODS[spec.codemod], scanned), CODEMODS[spec.codemod]) for spec in recipe.steps if spec.applies_to(upstream)]
-    files = _map_files(paths, [result for result, _ in read], specs, recipe, jobs, progress)
+    modes = package_modes(base, {result.path: text for result, text in read})
+    files = _map_files(paths, [result for result, _ in read], specs, recipe, jobs, progress, modes)
     files += add_runtime_files(base, files, {"exclude": list(exclude)} if exclude else None)
     texts = {f.path: f.original for f in files if f.original is not None}
     steps = classify(recipe, upstream, files, texts)
@@ -430,6 +389,7 @@ def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: in
     report = Report(recipe, root, upstream, files + skipped, steps, missing, vendored, decoders=shown_decoders(found, listed, files),
                     exclude=exclude, excluded=excluded)
     mark_skipped(report)
+    settle_absent_anchors(report, specs, texts)
     if found is not None:
         suggest_excludes(report, reached_by_decoders(report, set(found.decoders)))
     return report
@@ -454,7 +414,8 @@ _ANALYSED: "OrderedDict[tuple, tuple]" = OrderedDict()
 POOL_MIN_FILES = 8
 
 
-def _map_files(paths: list[Path], results: list[FileResult], specs, recipe: Recipe, jobs: int, progress=None) -> list[FileResult]:
+def _map_files(paths: list[Path], results: list[FileResult], specs, recipe: Recipe, jobs: int, progress=None,
+               modes: dict | None = None) -> list[FileResult]:
     """Stages 3 and 4 over the tree: the text prefilter here, then ``analyse`` for the few files it lets
     through that this process has not analysed yet, in ``jobs`` worker processes when there are
     at least ``POOL_MIN_FILES`` of them (only those files' texts go to the workers)."""
@@ -463,7 +424,7 @@ def _map_files(paths: list[Path], results: list[FileResult], specs, recipe: Reci
     for result, path in zip(results, paths):
         active = prefilter(result.original, specs) if result.error is None else []
         if active:
-            in_package = (path.parent / "__init__.py").exists()
+            in_package = modes.get(result.path, False) if modes is not None else (path.parent / "__init__.py").exists()
             todo.append((result, _memo_key(result.original, active, in_package), (result.original, active, in_package)))
     done = n - len(todo)
     if progress is not None:

@@ -7,6 +7,7 @@ import json
 
 from ..results import ALREADY_APPLIED, APPLIED, EXIT_OK, FIXED_UPSTREAM, LAYOUT, NO_MATCH, PENDING, SKIPPED, ApplyResult, CIResult, Outcome, Report, StepDoc
 from .console import console, print_table
+from .refusals import error_lines  # noqa: F401  (the CLI imports it from here)
 
 STATUS_STYLE = {APPLIED: "green", PENDING: "yellow", ALREADY_APPLIED: "cyan", FIXED_UPSTREAM: "blue", NO_MATCH: "bold red",
                 SKIPPED: "bold red"}
@@ -115,35 +116,6 @@ def vendored_lines(report: Report) -> list[str]:
         if not v.left_out:
             out.append(f"checked {v.path}/ although it looks vendored ({v.reason}): it {v.decoder}")
     return out
-
-
-def error_lines(report: Report) -> list[str]:
-    """One line per failure in ``report``, cause first: skipped files, then steps that no longer match."""
-    out = [f"{i.path}:{i.line}: import {i.module}: {i.message}" for i in report.blocking_imports]
-    by_reason: dict[str, list[str]] = {}
-    for f in report.skipped:
-        by_reason.setdefault(f.error, []).append(f.path)
-    for reason, paths in by_reason.items():  # one line per reason, not one per file
-        names = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
-        out.append(f"skipped {names}: {reason}" if len(paths) == 1 else f"skipped {len(paths)} files ({names}): {reason}")
-        if reason.startswith("read-only"):
-            out.append("the tree is read-only here: pass --out DIR to write a patched copy instead")
-    elsewhere: dict[str, list[str]] = {}  # a single file: steps whose anchors are simply in other files
-    for s in report.no_match:
-        failed = [a for a in s.anchors if a.status == NO_MATCH]
-        if report.root.is_file() and failed and all(a.path is None and "not defined anywhere" in a.message for a in failed):
-            for a in failed:
-                elsewhere.setdefault(a.function, []).append(s.spec.id)
-            continue
-        found = [a.message for a in failed] + [f"{x.path}:{x.line}: {x.message}" for x in s.sites if x.status == NO_MATCH]
-        nothing = "nothing matched" + ("" if report.upstream else " (no layout was detected, so no anchor says where the step must act)")
-        out.append(f"no-match {s.spec.id}: {'; '.join(found) or nothing}")
-    if elsewhere:
-        steps = sorted({sid for ids in elsewhere.values() for sid in ids})
-        out.insert(0 if not report.skipped else len(out), f"{report.root.name} is a single file: {len(steps)} step(s) anchor to functions "
-                   f"not in it ({', '.join(elsewhere)}); pass the checkout's root folder")
-    return out
-
 
 
 def apply_text(result: ApplyResult) -> str:

@@ -4,7 +4,8 @@ This package is copied verbatim into patched upstream trees (as the folder ``_dd
 with a version stamp in ``MANIFEST.json``), so it imports nothing but the standard library,
 ``torch`` and (lazily, inside functions) ``transformers``. Its modules import one another
 relatively and one way: options, errors, caches, discovery, windows, probes, tree, record,
-deltarule, strategies, fastpath, fastforwards, fastcommit, commit, ownership, adopt, verify, draft.
+deltarule, strategies, fastpath, fastforwards, fastcommit, commit, ownership, adopt, verify, draft (and timing, which
+imports none of them).
 Settings live in ``options``; setting them on this package (``TREE_STRATEGY = ...``) is
 forwarded there, so they reach every module.
 
@@ -105,6 +106,7 @@ from .ownership import _own_crop
 from .probes import _MASK_PROBED, _check_mask_honoured
 from .record import _get_record, _pending_record, _Record, _set_record
 from .strategies import _use_path_batched
+from .timing import cuda_event
 from .tree import _tree_ancestors, _tree_plan, _tree_taps, tree_parents_from_mask
 from .verify import verify_forward
 
@@ -116,6 +118,7 @@ __all__ = [
     "adopt_forward",
     "compact_cache",
     "crop_cache",
+    "cuda_event",
     "draft_forward",
     "from_legacy_cache",
     "hybrid_linear_modules",

@@ -2,7 +2,8 @@
 
 On a pure-attention target (``tiny-qwen3``) the unpatched code is lossless once the things
 that have nothing to do with drift are shimmed: ``DynamicCache.crop`` accepts a 4.x length,
-``torch.cuda.synchronize`` is a no-op, ``datasets`` is a stub, and 4.x's legacy cache API
+``torch.cuda.synchronize`` and ``reset_peak_memory_stats`` are no-ops, ``torch.cuda.Event`` times on the host
+clock (the runtime's own stand-in), ``datasets`` is a stub, and 4.x's legacy cache API
 (``to_legacy_cache`` / ``from_legacy_cache``, gone in 5.0) is back, as 4.57 had it. A variant whose unpatched
 code does not reproduce the target's greedy decoding there was broken by its transform, and a
 failing ``verify`` of its patched copy would say nothing about ddpatch.
@@ -18,6 +19,8 @@ import sys
 import types
 from contextlib import contextmanager
 from pathlib import Path
+
+from patcher.runtime.timing import WallClockEvent
 
 GENERIC_MODULES = ("model", "dflash", "ddtree", "benchmark")
 PROMPT_LEN = 8
@@ -59,8 +62,10 @@ def shims_and_tree(root: Path):
     fake.load_dataset = _no_dataset
     old_datasets = sys.modules.get("datasets")
     old_sync, old_crop = torch.cuda.synchronize, DynamicCache.crop
+    old_event, old_reset = torch.cuda.Event, torch.cuda.reset_peak_memory_stats
     sys.modules["datasets"] = fake
     torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.Event, torch.cuda.reset_peak_memory_stats = WallClockEvent, lambda device=None: None
     DynamicCache.crop = _crop_accepting_lengths(old_crop)
     legacy = {name: DynamicCache.__dict__.get(name) for name in ("to_legacy_cache", "from_legacy_cache")}
     DynamicCache.to_legacy_cache = lambda self: tuple((layer.keys, layer.values) for layer in self.layers)
@@ -74,6 +79,7 @@ def shims_and_tree(root: Path):
         sys.dont_write_bytecode = bytecode
         sys.path.remove(str(root))
         DynamicCache.crop, torch.cuda.synchronize = old_crop, old_sync
+        torch.cuda.Event, torch.cuda.reset_peak_memory_stats = old_event, old_reset
         for name, value in legacy.items():
             if value is None:
                 delattr(DynamicCache, name)

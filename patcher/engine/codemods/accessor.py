@@ -14,6 +14,11 @@ Statuses and the evidence each rests on:
   (the same method, the same object in every layout), or upstream reaches the
   embeddings as ``X.model.language_model.embed_tokens``; in the anchor or in a function of
   the tree it calls (an ``_embed(target, ids)`` helper: the engine follows the call).
+* ``fixed-upstream`` too -- a helper that asks the accessor first and falls back to attributes only when it
+  gives nothing: ``get = getattr(X, "get_input_embeddings", None)`` then ``get()`` (the same method), and a
+  reach into the model's internals only where that result is None (``if emb is None: emb = X.model.embed_tokens``,
+  ``X.get_input_embeddings() or X.model.embed_tokens``): every transformers model answers the accessor, so the
+  fallback never runs, and it is left as it is.
 * ``no-match`` -- none of these in the anchor or what it calls; the message names the form
   the anchor does reach the embeddings with, if any (``near_miss``).
 """
@@ -24,7 +29,7 @@ import re
 
 import libcst as cst
 
-from .base import APPLIED, FIXED_UPSTREAM, PATCHED, Example, Step, dotted
+from .base import APPLIED, FIXED_UPSTREAM, PATCHED, Example, Step, code, dotted
 
 
 class UseAccessor(Step):
@@ -73,6 +78,67 @@ class UseAccessor(Step):
         super().__init__(context, **params)
         self.parts = self.params["path"].split(".")
         self._store_depth = 0
+        self._outer: list[set[str]] = []
+        self._methods: set[str] = set()  # locals holding the accessor method (`get = getattr(X, "get_input_embeddings", None)`)
+        self._fallback: set[int] = set()  # ids of the attributes that run only when the accessor gave nothing
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        self._outer.append(self._methods)
+        self._methods, bound = set(), set()
+        assigns = [(dotted(t.target), stmt.value) for stmt in _walk(node.body, cst.Assign) for t in stmt.targets]
+        for name, value in assigns:
+            if name and self._method(value):
+                self._methods.add(name)
+        for name, value in assigns:
+            if name and self._asks(value, bound):
+                bound.add(name)
+        for root in self._fallbacks(node.body, bound):
+            self._fallback |= {id(a) for a in _walk(root, cst.Attribute)}
+        return super().visit_FunctionDef(node)
+
+    def leave_FunctionDef(self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef) -> cst.CSTNode:
+        self._methods = self._outer.pop()
+        return super().leave_FunctionDef(original_node, updated_node)
+
+    def _method(self, value: cst.BaseExpression) -> bool:
+        """``getattr(X, "<accessor>"[, default])`` or ``X.<accessor>``: the method itself, not yet called."""
+        if isinstance(value, cst.Attribute):
+            return value.attr.value == self.params["accessor"] and dotted(value.value) not in self.params["skip_receivers"]
+        return self._getattr_accessor(value, defaults=True) is not None
+
+    def _asks(self, value: cst.BaseExpression, bound: set[str]) -> bool:
+        """Whether ``value`` is what the accessor returns (or a choice whose first answer is)."""
+        if isinstance(value, cst.Call) and not value.args:
+            func = value.func
+            if dotted(func) in self._methods or self._getattr_accessor(func) is not None:
+                return True
+            return isinstance(func, cst.Attribute) and func.attr.value == self.params["accessor"]
+        if isinstance(value, cst.IfExp):
+            return self._asks(value.body, bound)
+        if isinstance(value, cst.BooleanOperation) and isinstance(value.operator, cst.Or):
+            return self._asks(value.left, bound)
+        return dotted(value) in bound
+
+    def _fallbacks(self, body: cst.CSTNode, bound: set[str]) -> list[cst.CSTNode]:
+        """The parts of ``body`` that run only when the accessor's answer (a name in ``bound``) is None."""
+        out: list[cst.CSTNode] = []
+        for node in _walk(body, cst.If):
+            nothing = _none_test(node.test, bound)
+            if nothing is True:
+                out.append(node.body)
+            elif nothing is False and node.orelse is not None:
+                out.append(node.orelse)
+        for node in _walk(body, cst.BooleanOperation):
+            if isinstance(node.operator, cst.Or) and self._asks(node.left, bound):
+                out.append(node.right)
+        for node in _walk(body, cst.IfExp):
+            nothing = _none_test(node.test, bound)
+            checks = self.params["accessor"] in code(node.test) or any(n in self._methods for n in _names(node.test))
+            if nothing is True:
+                out.append(node.body)
+            elif nothing is False or checks and self._asks(node.body, bound):
+                out.append(node.orelse)
+        return out
 
     def _receiver(self, node: cst.Attribute) -> cst.BaseExpression | None:
         """``X`` when ``node`` is ``X.<path>`` and X is not the model itself."""
@@ -94,6 +160,8 @@ class UseAccessor(Step):
 
     def visit_Call(self, node: cst.Call) -> None:
         func = node.func
+        if dotted(func) in self._methods and not node.args:
+            self.record(node, FIXED_UPSTREAM, f"upstream calls `{self.params['accessor']}` through `{dotted(func)}`")
         if isinstance(func, cst.Attribute) and func.attr.value == self.params["accessor"] and not node.args:
             if dotted(func.value) in self.params["skip_receivers"]:
                 return
@@ -102,9 +170,9 @@ class UseAccessor(Step):
         if receiver is not None:
             self.record(node, FIXED_UPSTREAM, f"upstream calls it through `getattr({receiver}, \"{self.params['accessor']}\")()`")
 
-    def _getattr_accessor(self, func: cst.BaseExpression) -> str | None:
+    def _getattr_accessor(self, func: cst.BaseExpression, defaults: bool = True) -> str | None:
         """``X`` when ``func`` is ``getattr(X, "<accessor>")`` (with or without a default)."""
-        if not (isinstance(func, cst.Call) and dotted(func.func) == "getattr" and len(func.args) in (2, 3)):
+        if not (isinstance(func, cst.Call) and dotted(func.func) == "getattr" and len(func.args) in ((2, 3) if defaults else (2,))):
             return None
         name = func.args[1].value
         if not (isinstance(name, cst.SimpleString) and name.evaluated_value == self.params["accessor"]):
@@ -145,7 +213,42 @@ class UseAccessor(Step):
         receiver = self._receiver(updated_node)
         if receiver is None:
             return updated_node
+        if id(original_node) in self._fallback:
+            self.record(original_node, FIXED_UPSTREAM, f"`{dotted(original_node)}` runs only when `{self.params['accessor']}()` "
+                                                       "gave nothing (every transformers model answers it, so the fallback does not run): left as it is")
+            return updated_node
         accessor = cst.Call(func=cst.Attribute(value=receiver, attr=cst.Name(self.params["accessor"])))
         self.record(original_node, APPLIED, f"`{dotted(original_node) or self.params['path']}` -> `.{self.params['accessor']}()`")
         return accessor
 
+
+
+def _walk(node: cst.CSTNode, kind: type) -> list:
+    """The nodes of ``kind`` inside ``node`` (nested functions and classes included: they are read on their own too)."""
+    found: list = []
+
+    class _V(cst.CSTVisitor):
+        def on_visit(self, n: cst.CSTNode) -> bool:
+            if isinstance(n, kind):
+                found.append(n)
+            return True
+
+    node.visit(_V())
+    return found
+
+
+def _none_test(test: cst.BaseExpression, bound: set[str]) -> bool | None:
+    """True for ``v is None`` / ``not v``, False for ``v is not None`` / ``v``, with ``v`` in ``bound``; else None."""
+    if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not) and dotted(test.expression) in bound:
+        return True
+    if dotted(test) in bound:
+        return False
+    if isinstance(test, cst.Comparison) and dotted(test.left) in bound and len(test.comparisons) == 1:
+        target = test.comparisons[0]
+        if dotted(target.comparator) == "None":
+            return True if isinstance(target.operator, cst.Is) else False if isinstance(target.operator, cst.IsNot) else None
+    return None
+
+
+def _names(node: cst.CSTNode) -> list[str]:
+    return [n.value for n in _walk(node, cst.Name)]

@@ -108,6 +108,10 @@ class AttnFallback(Step):
                     return True
         return False
 
+    @classmethod
+    def looks_for(cls, params) -> str:
+        return f"`\"{params['implementation']}\"` asked for, or {params['package']} required"
+
     def _choice(self) -> cst.BaseExpression:
         p = self.params
         AddImportsVisitor.add_needed_import(self.context, "importlib.util")

@@ -32,8 +32,8 @@ from ...results import ALREADY_APPLIED, APPLIED, FIXED_UPSTREAM, NO_MATCH, UNCLA
 PATCHED = "patched"
 
 RUNTIME_MODULE = "_ddpatch_runtime"
-#: Set by the engine in ``CodemodContext.scratch``: whether the file is inside a package
-#: (then the runtime is imported relatively, next to it).
+#: Set by the engine in ``CodemodContext.scratch``: whether the file is inside a package (then the runtime is
+#: imported relatively, next to it), or ``"both"`` where it may be imported either way (``patcher.engine.packages``).
 IN_PACKAGE = "ddpatch.in_package"
 
 
@@ -166,7 +166,7 @@ class Step(VisitorBasedCodemodCommand):
 
     def runtime(self) -> cst.Name:
         """Schedule the runtime import for this file and return the name to call through."""
-        if self.context.scratch.get(IN_PACKAGE):
+        if self.context.scratch.get(IN_PACKAGE) is True:
             AddImportsVisitor.add_needed_import(self.context, "", RUNTIME_MODULE, relative=1)
         else:
             AddImportsVisitor.add_needed_import(self.context, RUNTIME_MODULE)
@@ -184,6 +184,12 @@ class Step(VisitorBasedCodemodCommand):
         reaches the per-file run this way; the result is merged into the step's params.
         """
         return {}
+
+    @classmethod
+    def looks_for(cls, params: dict[str, Any]) -> str:
+        """What the step changes, as a noun phrase ("a module-level import of datasets"): said where an anchor of a
+        benchmark is gone from the tree (``patcher.engine.absent``)."""
+        return "what this step rewrites"
 
     @classmethod
     def near_miss(cls, text: str, function: str, params: dict[str, Any]) -> str | None:
@@ -335,6 +341,21 @@ def cache_keyword(call: cst.Call) -> cst.Arg | None:
     if isinstance(arg.value, cst.Name) and arg.value.value in ("None", "True", "False"):
         return None
     return arg
+
+
+def runtime_import_block() -> cst.Try:
+    """The runtime's import for a module that may be imported as ``pkg.mod`` or run as a script (``packages.BOTH``)."""
+    return cst.parse_statement(f"try:\n    from . import {RUNTIME_MODULE}\nexcept ImportError:  # run as a script, not as pkg.mod\n"
+                               f"    import {RUNTIME_MODULE}\n")
+
+
+def runtime_import_statement(step: Step) -> cst.BaseStatement:
+    """The runtime's import as a statement of its own, for a function to import it where it is used (a module that
+    keeps torch lazy must not import the runtime, which imports torch, at module level)."""
+    mode = step.context.scratch.get(IN_PACKAGE)
+    if mode is True:
+        return cst.parse_statement(f"from . import {RUNTIME_MODULE}\n")
+    return cst.parse_statement(f"import {RUNTIME_MODULE}\n") if not mode else runtime_import_block()
 
 
 def runtime_call(step: Step, function: str, args: Sequence[cst.Arg]) -> cst.Call:

@@ -16,6 +16,10 @@ So the step reads each crop's argument (data flow inside the module, ``flow.py``
 * **ambiguous**: a mix of the two (a name assigned both ways, a helper called with both),
   or an expression that reads ``get_seq_length()`` in another form (``len - n``).
 
+``n += k`` is an offset: it keeps what ``n`` is (only an offset read from a cache's length mixes a length
+with a count), and a model call's output (the logits an accepted count is drawn from) is no arithmetic of
+the positions it was given, so the reading never follows into a model call's arguments.
+
 Only receivers that are caches by data flow are touched: a name built by a ``*Cache(...)``
 call or a cache factory of the module, given to a model as ``past_key_values=``, a
 parameter called ``past_key_values`` or annotated as a cache, one that ``.get_seq_length()``
@@ -61,16 +65,42 @@ def _seq_length_call(node: cst.BaseExpression) -> bool:
     return isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value == "get_seq_length"
 
 
-def _reads_seq_length(node: cst.CSTNode) -> bool:
+def _reads_seq_length(node: cst.CSTNode, opaque: frozenset = frozenset()) -> bool:
+    """Whether ``node`` calls ``get_seq_length()``, outside the model calls in ``opaque`` (ids): a model's output is
+    tokens or hidden states, not arithmetic of the positions it was given."""
     found = []
 
     class _V(cst.CSTVisitor):
-        def visit_Call(self, n: cst.Call) -> None:
+        def visit_Call(self, n: cst.Call) -> bool:
             if _seq_length_call(n):
                 found.append(n)
+                return False
+            return id(n) not in opaque
 
     node.visit(_V())
     return bool(found)
+
+
+def _short(node: cst.CSTNode, limit: int = 60) -> str:
+    """``node``'s code on one line, cut to ``limit`` characters: a message names a value, it does not quote a block."""
+    text = " ".join(code(node).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+#: Links of a data-flow chain a message shows: the first ones and the last ones, the middle elided.
+CHAIN_LINKS = 4
+#: The longest reason a crop's no-match gives (its site says where; the chain says why, once).
+REASON_CHARS = 700
+
+
+def _elide(why: str) -> str:
+    """A reading's chain (``a <- b <- ... <- cause``) with its middle links left out, and cut to ``REASON_CHARS``."""
+    links = why.split(" <- ")
+    if len(links) > CHAIN_LINKS + 1:
+        half = CHAIN_LINKS // 2
+        links = links[:half] + [f"({len(links) - CHAIN_LINKS - 1} more)"] + links[-half - 1:]
+    text = " <- ".join(links)
+    return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 1] + "…"
 
 
 def _combine(kinds: set[str]) -> str:
@@ -163,68 +193,97 @@ class CropCompat(FunctionStack, Step):
 
     # -- what a crop means --------------------------------------------------------------
     def meaning(self, fn: Fn, expr: cst.BaseExpression, seen: frozenset = frozenset()) -> tuple[str, str]:
-        """(kind, why) of a crop argument ``expr`` read in ``fn``."""
+        """(kind, why) of a crop argument ``expr`` read in ``fn``.
+
+        Values are followed through the function's assignments and its helpers' parameters, never into a model
+        call: its output (logits, hidden states, the tokens drawn from them) is no arithmetic of the positions
+        it was given. An ambiguous ``why`` is a chain: ``a (line 9) <- b (line 7) <- ... <- cause``."""
         if isinstance(expr, cst.UnaryOperation) and isinstance(expr.operator, cst.Minus):
-            return COUNT, f"`{code(expr)}` is negative"
+            return COUNT, f"`{_short(expr)}` is negative"
         if isinstance(expr, cst.BinaryOperation) and isinstance(expr.operator, cst.Subtract) and _seq_length_call(expr.right):
-            return COUNT, f"`{code(expr)}` counts from the cache's length"
+            return COUNT, f"`{_short(expr)}` counts from the cache's length"
         if isinstance(expr, cst.Integer):
             return LENGTH, f"`{code(expr)}` is a length"
         if _seq_length_call(expr) or isinstance(expr, cst.Call) and dotted(expr.func) == "int" and len(expr.args) == 1 \
                 and _seq_length_call(expr.args[0].value):
             # a cache's length, read before: cropping back to it is 4.x (5.x raises on a count above 0)
-            return LENGTH, f"`{code(expr)}` is a cache's length"
+            return LENGTH, f"`{_short(expr)}` is a cache's length"
         name = dotted(expr)
         if name is not None:
             return self._name_meaning(fn, name, seen)
-        if _reads_seq_length(expr):
-            return AMBIGUOUS, f"`{code(expr)}` reads get_seq_length() but is not `x - cache.get_seq_length()`"
+        opaque = _model_calls(fn)
+        if _reads_seq_length(expr, opaque):
+            return AMBIGUOUS, f"`{_short(expr)}` reads get_seq_length() but is not `x - cache.get_seq_length()`"
         kinds = set()
-        for sub in _names(expr):
+        for sub in _names(expr, opaque):
             kind, why = self._name_meaning(fn, sub, seen)
             if kind != LENGTH:
-                return AMBIGUOUS, f"`{code(expr)}` computes with {why}"
+                return AMBIGUOUS, why if kind == AMBIGUOUS else f"`{_short(expr)}` computes with {why}"
             kinds.add(kind)
         if _has_minus(expr):
-            return AMBIGUOUS, f"`{code(expr)}` negates part of the argument"
-        return LENGTH, f"`{code(expr)}` is a length"
+            return AMBIGUOUS, f"`{_short(expr)}` negates part of the argument"
+        return LENGTH, f"`{_short(expr)}` is a length"
 
     def _name_meaning(self, fn: Fn, name: str, seen: frozenset) -> tuple[str, str]:
         key = (id(fn), name)
         if key in seen:
             return LENGTH, f"`{name}`"
         seen = seen | {key}
-        if name in fn.assigns:
-            values = fn.assigns[name]
+        # `n += k` keeps what n is: an offset to a length is a length, to a count a count. Only an offset read from a
+        # cache's length (`n -= cache.get_seq_length()`) turns one into the other: that one counts as an assignment.
+        mixing = [v for v in fn.assigns.get(name, []) if id(v) in fn.augments and self._reads_length(fn, v, seen)]
+        if any(id(v) not in fn.augments for v in fn.assigns.get(name, [])) or mixing:
+            values = [v for v in fn.assigns[name] if id(v) not in fn.augments]
             results = [self.meaning(fn, v, seen) for v in values]
+            values, results = values + mixing, results + [(AMBIGUOUS, "an offset read from a cache's length")] * len(mixing)
             kind = _combine({k for k, _ in results})
             if kind == AMBIGUOUS:
                 return AMBIGUOUS, f"`{name}` is {self._assignments(name, values, results)}"
             return kind, f"`{name}`: " + results[0][1]
         if name in fn.params or name in fn.kwonly:
-            results = []
+            results, calls = [], []
             for caller, call, _loop in self.flow.callers(fn):
                 for param, arg in self.flow.bind(fn, call, isinstance(call.func, cst.Attribute)):
                     if param == name:
                         results.append(self.meaning(caller, arg, seen))
+                        calls.append(arg)
             if not results:
                 return LENGTH, f"`{name}` (a parameter: 4.x code passes lengths)"
             kind = _combine({k for k, _ in results})
             if kind == AMBIGUOUS:
-                found = "; ".join(f"{k}: {w}" for k, w in results)
-                return AMBIGUOUS, f"parameter `{name}` is not given one kind by its callers ({found})"
+                return AMBIGUOUS, f"parameter `{name}` is {self._given(calls, results, 'given')} by its callers"
             return kind, f"parameter `{name}`, given " + results[0][1]
         return LENGTH, f"`{name}`"
 
+    def _reads_length(self, fn: Fn, expr: cst.BaseExpression, seen: frozenset) -> bool:
+        """Whether ``expr`` is computed from a cache's length, through the function's own assignments."""
+        opaque = _model_calls(fn)
+        if _reads_seq_length(expr, opaque):
+            return True
+        for sub in _names(expr, opaque):
+            key = (id(fn), sub)
+            if key not in seen and any(self._reads_length(fn, v, seen | {key}) for v in fn.assigns.get(sub, [])):
+                return True
+        return False
+
     def _assignments(self, name: str, values: list, results: list[tuple[str, str]]) -> str:
-        """What each assignment of ``name`` is, with its line: "assigned once, `x - n` (line 9), which ..." or
-        "assigned a 5.x count (line 7: `-k`) and a 4.x length (line 9: `n`)"."""
+        """What the assignments of ``name`` are, with their lines: "assigned a 4.x length (line 7): `n`; a 5.x count
+        (line 9): `-k`"; where one of them is ambiguous in itself, the chain to the cause, once."""
+        return self._given(values, results, "assigned")
+
+    def _given(self, values: list, results: list[tuple[str, str]], verb: str) -> str:
         lines = self._lines(values)
-        if len(values) == 1:
-            return f"assigned once{lines[0]}: {results[0][1]}"
-        parts = [f"{kind if kind != AMBIGUOUS else 'an ambiguous value'}{line}: `{code(v)}`"
-                 + (f" ({why})" if kind == AMBIGUOUS else "") for v, (kind, why), line in zip(values, results, lines)]
-        return "assigned " + "; ".join(parts)
+        for v, (kind, why), line in zip(values, results, lines):
+            if kind != AMBIGUOUS:
+                continue
+            # the first ambiguous value carries the reason; the others add nothing to it
+            if why.startswith("an offset"):
+                return f"moved by an offset read from a cache's length{line}: `{_short(v)}`"
+            if dotted(v) is None and why.startswith(f"`{_short(v)}`"):
+                return f"{verb}{line}: {why}"
+            return f"{verb} `{_short(v)}`{line} <- {why}"
+        parts = [f"{kind}{line}: `{_short(v)}`" for v, (kind, _why), line in zip(values, results, lines)]
+        return f"{verb} " + "; ".join(parts)
 
     def _lines(self, nodes: list) -> list[str]:
         """`` (line N)`` for each node of the module being read (computed on this rare no-match path only)."""
@@ -271,7 +330,8 @@ class CropCompat(FunctionStack, Step):
         if kind == COUNT:
             self.record(node, FIXED_UPSTREAM, f"`{receiver}.crop(...)` already takes a 5.x count ({why}); left alone")
         elif kind == AMBIGUOUS:
-            self.record(node, NO_MATCH, f"cannot tell whether `{receiver}.crop(...)` takes a 5.x count or a 4.x length: {why}")
+            self.record(node, NO_MATCH, f"cannot tell whether `{receiver}.crop(...)` takes a 5.x count or a 4.x length: {_elide(why)}; "
+                                        "write the crop by hand as one of the two (`crop_cache(cache, length)`, or `cache.crop(-count)`)")
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         recording = self._recording_receiver(original_node)
@@ -295,7 +355,12 @@ class CropCompat(FunctionStack, Step):
         )
 
 
-def _names(expr: cst.CSTNode) -> list[str]:
+def _model_calls(fn: Fn) -> frozenset:
+    """Ids of ``fn``'s model calls: a value read from one is opaque to a crop argument's reading."""
+    return frozenset(id(mc.call) for mc in fn.model_calls)
+
+
+def _names(expr: cst.CSTNode, opaque: frozenset = frozenset()) -> list[str]:
     out: list[str] = []
 
     class _V(cst.CSTVisitor):
@@ -310,6 +375,8 @@ def _names(expr: cst.CSTNode) -> list[str]:
             out.append(node.value)
 
         def visit_Call(self, node: cst.Call) -> bool:
+            if id(node) in opaque:
+                return False
             for arg in node.args:  # `len(path)`: the positional arguments, not the function's name
                 if arg.keyword is None:
                     arg.value.visit(self)

@@ -83,6 +83,7 @@ class Fn:
     received: dict[str, set[str]] = field(default_factory=dict)
     #: var -> (factory, call) for ``var = factory(...)`` with a module function
     factory_uses: dict[str, list[tuple["Fn", cst.Call]]] = field(default_factory=dict)
+    augments: dict[int, str] = field(default_factory=dict)  #: id of ``k`` in ``assigns`` for ``n += k`` -> the operator
 
     def role(self, name: str | None) -> set[str]:
         return self.roles.get(name, set()) if name else set()
@@ -185,8 +186,8 @@ class _Collect(cst.CSTVisitor):
             self._assign(node.target, node.value)
 
     def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        # ``n += k`` keeps what n was and adds k's flow
-        self._assign(node.target, node.value)
+        self._assign(node.target, node.value)  # ``n += k`` keeps what n was and adds k's flow (an offset, to crop-compat)
+        self.fn.augments[id(node.value)] = type(node.operator).__name__
 
     def visit_Return(self, node: cst.Return) -> None:
         if node.value is not None:
@@ -197,9 +198,8 @@ class _Collect(cst.CSTVisitor):
         name = dotted(node.func)
         in_loop = self.loops > 0
         if name and name.endswith(".get_seq_length") and isinstance(node.func, cst.Attribute):
-            receiver = dotted(node.func.value)
-            if receiver:
-                fn.seq_length_receivers.add(receiver)
+            if dotted(node.func.value):
+                fn.seq_length_receivers.add(dotted(node.func.value))
         wrapper = None
         callee = name
         if name and name.startswith(RUNTIME_MODULE + ".") and name.split(".", 1)[1] in WRAPPERS and node.args:
@@ -483,10 +483,7 @@ class ModuleFlow:
 
 def _block(node) -> list:
     body = getattr(node, "body", None)
-    if isinstance(body, (cst.IndentedBlock, cst.SimpleStatementSuite)):
-        stmts = list(body.body)
-    else:
-        stmts = []
+    stmts = list(body.body) if isinstance(body, (cst.IndentedBlock, cst.SimpleStatementSuite)) else []
     for extra in ("orelse", "finalbody"):
         part = getattr(node, extra, None)
         if part is not None and hasattr(part, "body"):

@@ -1,9 +1,16 @@
 """GuardCall: run a device-only call only when the device exists.
 
-``torch.cuda.synchronize()`` inside a timing helper, or ``torch.cuda.set_device(...)``
-at start-up, raises on a machine without CUDA; the verifier runs on CPU. The statement
-is wrapped in ``if torch.cuda.is_available():``. Calls are matched by qualified name,
-so ``from torch import cuda; cuda.synchronize()`` is found too.
+``torch.cuda.synchronize()`` inside a timing helper, ``torch.cuda.set_device(...)`` at start-up, or
+``torch.cuda.reset_peak_memory_stats()`` before a timed region raises on a machine without CUDA; the verifier
+runs on CPU. The statement is wrapped in ``if torch.cuda.is_available():``. Calls are matched by qualified
+name, so ``from torch import cuda; cuda.synchronize()`` is found too. (Reading the statistics,
+``torch.cuda.max_memory_allocated()`` and its kin, gives 0 without CUDA and needs no guard.)
+
+A CUDA event used for timing (``torch.cuda.Event(enable_timing=True)``, then ``.record()``,
+``.elapsed_time(...)``) is a value, not a statement: the code goes on using it. Its constructor goes through
+``_ddpatch_runtime.cuda_event(...)``, which returns the same ``torch.cuda.Event`` where CUDA is available (a GPU
+run times itself as before) and a wall-clock stand-in with the same methods where it is not. Where the module
+keeps torch lazy, the runtime (which imports torch) is imported right before the statement, not at module level.
 
 The guard imports nothing at module level that the module did not already import there:
 a module that keeps torch lazy (DFlash's ``benchmark.py`` imports it inside
@@ -26,8 +33,11 @@ Statuses and the evidence each rests on:
   for one inside a ``try`` whose handler catches what it raises without CUDA (``except Exception``,
   or both ``RuntimeError`` and ``AssertionError``: a CPU build raises the second, a CUDA build
   without a device the first), and for an anchor that no longer calls any listed function (``evidence``).
+* ``applied`` too -- ``torch.cuda.Event(...)`` became ``_ddpatch_runtime.cuda_event(...)`` (``already-applied``
+  once it is).
 * ``no-match`` -- an anchor that still names a listed call the step does not match; a call in a
-  conditional expression whose test does not check the device (the site says which).
+  conditional expression whose test does not check the device (the site says which); an event built in a
+  compound statement's header of a module that keeps torch lazy (no place to import the runtime there).
 """
 
 from __future__ import annotations
@@ -39,7 +49,8 @@ import libcst as cst
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from .base import APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, Step, ast_dotted, ast_nodes, code, dotted
+from .base import (APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, RUNTIME_MODULE, Example, Step, ast_dotted, ast_nodes, code, dotted,
+                   is_runtime_call, runtime_call, runtime_import_statement)
 
 
 class GuardCall(Step):
@@ -47,10 +58,14 @@ class GuardCall(Step):
     DESCRIPTION = "Wrap statements calling torch.cuda.synchronize/set_device in `if torch.cuda.is_available():`."
     TRIGGERS = ()
     PARAMS = {
-        "calls": ["torch.cuda.synchronize", "torch.cuda.set_device"],
+        "calls": ["torch.cuda.synchronize", "torch.cuda.set_device", "torch.cuda.reset_peak_memory_stats",
+                  "torch.cuda.reset_max_memory_allocated", "torch.cuda.reset_accumulated_memory_stats"],
         "guard": "torch.cuda.is_available()",
         "guard_import": "torch",
+        # values a device-only constructor gives, built through the runtime helper that stands in without the device
+        "stand_ins": {"torch.cuda.Event": "cuda_event"},
     }
+    USES_RUNTIME = False  # per file: True once an event goes through the runtime
     NEEDS_SCOPE = True
     METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider)
     EXAMPLES = (
@@ -87,6 +102,30 @@ class GuardCall(Step):
         ),
         Example(
             """
+            import torch
+
+            def timed(fn):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                return start.elapsed_time(end)
+            """,
+            """
+            import torch
+            import _ddpatch_runtime
+
+            def timed(fn):
+                start, end = _ddpatch_runtime.cuda_event(enable_timing=True), _ddpatch_runtime.cuda_event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                return start.elapsed_time(end)
+            """,
+            "a CUDA event where CUDA is available, a wall-clock stand-in with the same methods where it is not",
+        ),
+        Example(
+            """
             def cuda_time():
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
@@ -104,7 +143,8 @@ class GuardCall(Step):
 
     @classmethod
     def triggers(cls, params) -> tuple[str, ...]:
-        return ("|".join(re.escape(c.rsplit(".", 1)[-1]) + r"\(" for c in params["calls"]),)
+        names = [*params["calls"], *params["stand_ins"], *params["stand_ins"].values()]
+        return ("|".join(re.escape(c.rsplit(".", 1)[-1]) + r"\(" for c in names),)
 
     @classmethod
     def may_match(cls, tree: ast.Module, params) -> bool:
@@ -124,12 +164,17 @@ class GuardCall(Step):
             name = ast_dotted(node.func)
             if name:
                 called.append(name)
+        wanted = {*params["calls"], *params["stand_ins"], *(f"{RUNTIME_MODULE}.{h}" for h in params["stand_ins"].values())}
         for name in called:
             head, _, rest = name.partition(".")
             spellings = {name} | {b + ("." + rest if rest else "") for b in bound.get(head, ())}
-            if spellings & set(params["calls"]):
+            if spellings & wanted:
                 return True
         return False
+
+    @classmethod
+    def looks_for(cls, params) -> str:
+        return "a call of " + " / ".join([*params["calls"], *params["stand_ins"]])
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)
@@ -138,6 +183,9 @@ class GuardCall(Step):
         self._suspended: list = []
         self._unprotected: set[int] = set()  # a try's else and finally blocks
         self._module_imports: set[str] = set()  # top-level packages the module imports unconditionally at top level
+        self._statements = 0  # simple statements the visit is inside (a local runtime import goes before the outermost)
+        self._local_runtime = False  # the statement being left built an event through a runtime imported right before it
+        self._blocks: list[list] = []  # the enclosing blocks, innermost last: [id, whether the runtime was imported in it]
 
     def _listed(self, node: cst.BaseExpression) -> bool:
         if not isinstance(node, cst.Call):
@@ -230,6 +278,44 @@ class GuardCall(Step):
         names = {q.name for q in self.get_metadata(QualifiedNameProvider, call.func, set())}
         return call if names & set(self.params["calls"]) else None
 
+    # -- a device-only value: built through the runtime's stand-in ------------------------------------------
+    def _stand_in(self, node: cst.Call) -> str | None:
+        names = {q.name for q in self.get_metadata(QualifiedNameProvider, node.func, set())}
+        return next((self.params["stand_ins"][n] for n in names if n in self.params["stand_ins"]), None)
+
+    def visit_Call(self, node: cst.Call) -> None:
+        if any(is_runtime_call(node, helper) for helper in self.params["stand_ins"].values()):
+            self.USES_RUNTIME = True
+            self.record(node, PATCHED, f"`{dotted(node.func)}(...)` already stands in where there is no CUDA")
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        helper = self._stand_in(original_node)
+        if helper is None:
+            return updated_node
+        what = code(original_node.func)
+        lazy = self.params["guard_import"].split(".")[0] not in self._module_imports
+        if lazy and not self._statements:
+            self.record(original_node, NO_MATCH, f"`{what}(...)` in a compound statement's header, in a module that imports torch "
+                                                 f"lazily: build it in a statement of its own, or with `{RUNTIME_MODULE}.{helper}(...)`")
+            return updated_node
+        self.USES_RUNTIME = True
+        self.record(original_node, APPLIED, f"`{what}(...)` -> `{RUNTIME_MODULE}.{helper}(...)`: the same event where CUDA is "
+                                            "available, a wall-clock stand-in (record, elapsed_time in ms) where it is not")
+        if lazy:  # the runtime imports torch: imported where the event is built, never at module level
+            self._local_runtime = True
+            return cst.Call(func=cst.Attribute(value=cst.Name(RUNTIME_MODULE), attr=cst.Name(helper)), args=updated_node.args)
+        return runtime_call(self, helper, updated_node.args)
+
+    def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
+        self._statements += 1
+
+    def visit_IndentedBlock(self, node: cst.IndentedBlock) -> None:
+        self._blocks.append([id(node), False])
+
+    def leave_IndentedBlock(self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock) -> cst.IndentedBlock:
+        self._blocks.pop()
+        return updated_node
+
     def visit_If(self, node: cst.If) -> None:
         self._guards.append(code(node.test))
 
@@ -238,6 +324,21 @@ class GuardCall(Step):
         return updated_node
 
     def leave_SimpleStatementLine(self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine):
+        self._statements -= 1
+        result = self._guarded(original_node, updated_node)
+        if not self._local_runtime or self._statements:
+            return result
+        self._local_runtime = False
+        if any(imported for _block, imported in self._blocks):
+            return result  # an earlier statement of this block, or of one around it, imported it already
+        if self._blocks:
+            self._blocks[-1][1] = True
+        statements = list(result.nodes) if isinstance(result, cst.FlattenSentinel) else [result]
+        first = statements[0]
+        local = runtime_import_statement(self).with_changes(leading_lines=first.leading_lines)
+        return cst.FlattenSentinel([local, first.with_changes(leading_lines=[]), *statements[1:]])
+
+    def _guarded(self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine):
         call = self._guarded_call(original_node)
         if call is None:
             return updated_node
@@ -272,6 +373,7 @@ class GuardCall(Step):
 
     def evidence(self, function: cst.FunctionDef) -> str | None:
         text = cst.Module(body=[function]).code
-        if not any(c.rsplit(".", 1)[-1] + "(" in text for c in self.params["calls"]):
-            return f"`{function.name.value}` no longer calls {' or '.join(self.params['calls'])}"
+        names = [*self.params["calls"], *self.params["stand_ins"]]
+        if not any(c.rsplit(".", 1)[-1] + "(" in text for c in names):
+            return f"`{function.name.value}` no longer calls {' or '.join(names)}"
         return None

@@ -138,6 +138,10 @@ class LazyImport(Step):
         bodies = [tree.body] + [n.body for n in ast_nodes(tree, ast.FunctionDef, ast.AsyncFunctionDef)]
         return any(optional(stmt) for body in bodies for stmt in body)
 
+    @classmethod
+    def looks_for(cls, params) -> str:
+        return f"an import of {' or '.join(params['modules'])} at module level"
+
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)
         self._moves: dict[cst.SimpleStatementLine, list[cst.FunctionDef]] = {}

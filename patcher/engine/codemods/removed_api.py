@@ -12,7 +12,11 @@ Code that calls one fails on 5.x (``AttributeError``), the patched tree's warm-u
 
 Statuses and the evidence each rests on:
 
-* ``applied`` -- ``X.get_max_cache_shape(i)`` became ``X.get_max_length(i)`` (layer 0 when none is given, as
+* ``applied`` -- a round trip that copies the cache, ``X.to_legacy_cache()`` -> every tensor cloned ->
+  ``DynamicCache.from_legacy_cache(...)`` (inline, or in consecutive statements whose names are read once), became
+  ``copy.deepcopy(X)``: the same copy of every key and value, and of a hybrid's linear-attention state too, which
+  the tuple had no place for (a verify still waiting for its commit is not copied: the runtime refuses the copy's
+  commit in one line). ``X.get_max_cache_shape(i)`` became ``X.get_max_length(i)`` (layer 0 when none is given, as
   4.x read it); on a **draft** cache by data flow (the drafter is pure attention), ``X.to_legacy_cache()``,
   ``DynamicCache.from_legacy_cache(t)`` and ``X[i]`` go through ``_ddpatch_runtime.to_legacy_cache`` /
   ``from_legacy_cache`` / ``legacy_layer``, which do what 4.57 did (and refuse, in one line, a layer that holds
@@ -32,6 +36,7 @@ from __future__ import annotations
 import ast
 
 import libcst as cst
+from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
 from .base import (APPLIED, CACHE_KEYWORDS, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, FunctionStack, Step, ast_dotted,
@@ -63,7 +68,7 @@ class RemovedApi(FunctionStack, Step):
     TRIGGERS = (r"legacy_cache|legacy_layer|get_max_cache_shape|get_usable_length|seen_tokens|key_cache|value_cache"
                 r"|(?:cache|past_key_values)\w*\s*\[",)
     PARAMS: dict = {}
-    USES_RUNTIME = True
+    USES_RUNTIME = False  # per file: True once a site goes through the runtime's legacy helpers
     NEEDS_SCOPE = True
     METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider)
     EXAMPLES = (
@@ -99,6 +104,21 @@ class RemovedApi(FunctionStack, Step):
         ),
         Example(
             """
+            def snapshot(cache):
+                legacy = cache.to_legacy_cache()
+                copied = tuple((k.clone(), v.clone()) for k, v in legacy)
+                return DynamicCache.from_legacy_cache(copied)
+            """,
+            """
+            import copy
+
+            def snapshot(cache):
+                return copy.deepcopy(cache)
+            """,
+            "a round trip that clones every tensor is a copy of the cache: copy.deepcopy copies a hybrid's state too",
+        ),
+        Example(
+            """
             def clone(cache):
                 return DynamicCache.from_legacy_cache(cache.to_legacy_cache())
             """,
@@ -131,10 +151,60 @@ class RemovedApi(FunctionStack, Step):
         self._fns: list = [None]
         self.rewrite: dict[cst.CSTNode, str] = {}
         self._guards: list[dict] = []  # the enclosing ifs: the hasattr(...) forms their body may use
+        self._copies: dict[int, cst.BaseExpression] = {}  # id of a round trip's from_legacy_cache call -> the cache it copies
+        self._in_copy: set[int] = set()  # ids of the to_legacy_cache calls those round trips read
+        self._drop: set[int] = set()  # ids of the statements that held their intermediate values
 
     def visit_Module(self, node: cst.Module) -> bool:
         self.flow = ModuleFlow(node)
         return True
+
+    # -- a round trip through the legacy format that only copies the cache -------------------
+    def visit_IndentedBlock(self, node: cst.IndentedBlock) -> None:
+        fn = self._fns[-1]
+        if fn is None:
+            return
+        stmts = list(node.body)
+        for i, stmt in enumerate(stmts):
+            simple = isinstance(stmt, cst.SimpleStatementLine) and "from_legacy_cache" in code(stmt)
+            for call in _calls(stmt) if simple else ():
+                if self._from_legacy(call) and len(call.args) == 1 and not call.args[0].keyword:
+                    self._round_trip(fn, stmts[:i], call)
+
+    def _round_trip(self, fn, before: list, call: cst.Call) -> None:
+        """``from_legacy_cache(<every tensor of X.to_legacy_cache() cloned>)``, the values in the statements right before."""
+        drop: list[cst.CSTNode] = []
+
+        def value(expr: cst.BaseExpression) -> cst.BaseExpression | None:
+            """``expr``, or what a name read once was assigned in the statement right before the chain so far."""
+            name = expr.value if isinstance(expr, cst.Name) else None
+            if name is None:
+                return expr
+            at = len(before) - len(drop) - 1
+            stmt = before[at] if at >= 0 else None
+            if not (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 and isinstance(stmt.body[0], cst.Assign)):
+                return None
+            assign = stmt.body[0]
+            if [dotted(t.target) for t in assign.targets] != [name] or _reads(fn.node, name) != 1:
+                return None
+            drop.append(stmt)
+            return assign.value
+
+        copied = value(call.args[0].value)
+        if isinstance(copied, cst.Call) and dotted(copied.func) in ("tuple", "list") and len(copied.args) == 1:
+            copied = copied.args[0].value
+        if not (isinstance(copied, (cst.GeneratorExp, cst.ListComp)) and _clones(copied)):
+            return
+        legacy = value(copied.for_in.iter)
+        if not (isinstance(legacy, cst.Call) and isinstance(legacy.func, cst.Attribute) and legacy.func.attr.value == "to_legacy_cache"
+                and not legacy.args and dotted(legacy.func.value)):
+            return
+        self._copies[id(call)] = legacy.func.value
+        self._in_copy.add(id(legacy))
+        self._drop.update(id(s) for s in drop)
+
+    def leave_SimpleStatementLine(self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine):
+        return cst.RemoveFromParent() if id(original_node) in self._drop else updated_node
 
     # -- a branch only for the releases that have the form: `if hasattr(cache, "key_cache"):` ---------------------
     def visit_If(self, node: cst.If) -> None:
@@ -204,9 +274,15 @@ class RemovedApi(FunctionStack, Step):
     # -- sites --------------------------------------------------------------------------
     def visit_Call(self, node: cst.Call) -> None:
         if any(is_runtime_call(node, h) for h in HELPERS):
+            self.USES_RUNTIME = True
             self.record(node, PATCHED, f"`{dotted(node.func)}(...)` already goes through the runtime helper")
             return
         func = node.func
+        if id(node) in self._in_copy:
+            return  # the round trip's own read: the copy below replaces it
+        if id(node) in self._copies:
+            self.rewrite[node] = "deepcopy"
+            return
         if self._from_legacy(node):
             if is_role(self._from_legacy_target(node), DRAFT_CACHE):
                 self.rewrite[node] = "from_legacy_cache"
@@ -257,6 +333,15 @@ class RemovedApi(FunctionStack, Step):
     # -- rewrites -----------------------------------------------------------------------
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         what = self.rewrite.get(original_node)
+        if what == "deepcopy":
+            cache = self._copies[id(original_node)]
+            AddImportsVisitor.add_needed_import(self.context, "copy")
+            self.record(original_node, APPLIED, f"`{code(cache)}.to_legacy_cache()`, every tensor cloned, then `from_legacy_cache(...)`: "
+                                                f"a copy of the cache -> `copy.deepcopy({code(cache)})` (a hybrid's linear-attention "
+                                                "state is copied too)")
+            return cst.parse_expression(f"copy.deepcopy({code(cache)})").with_changes(lpar=updated_node.lpar, rpar=updated_node.rpar)
+        if what in ("to_legacy_cache", "from_legacy_cache"):
+            self.USES_RUNTIME = True
         if what == "get_max_cache_shape":
             args = list(updated_node.args) or [cst.Arg(cst.Integer("0"))]
             self.record(original_node, APPLIED, f"`{code(original_node)}` -> `get_max_length(...)`: the same on 5.x (4.x read layer 0)")
@@ -273,6 +358,7 @@ class RemovedApi(FunctionStack, Step):
     def leave_Subscript(self, original_node: cst.Subscript, updated_node: cst.Subscript) -> cst.BaseExpression:
         if self.rewrite.get(original_node) != "legacy_layer":
             return updated_node
+        self.USES_RUNTIME = True
         self.record(original_node, APPLIED, f"`{code(original_node)}` on the draft's cache -> `legacy_layer(...)`")
         index = updated_node.slice[0].slice.value
         return runtime_call(self, "legacy_layer", [cst.Arg(updated_node.value), cst.Arg(index)])
@@ -284,6 +370,53 @@ def _calls(node: cst.CSTNode) -> list[cst.Call]:
     class _V(cst.CSTVisitor):
         def visit_Call(self, call: cst.Call) -> None:
             found.append(call)
+
+    node.visit(_V())
+    return found
+
+
+def _reads(fn: cst.FunctionDef, name: str) -> int:
+    """How often ``fn`` reads ``name`` (a ``Name`` node that is not an assignment's target)."""
+    targets = {id(t.target) for a in _nodes(fn, cst.Assign) for t in a.targets}
+    return sum(1 for n in _nodes(fn, cst.Name) if n.value == name and id(n) not in targets)
+
+
+def _clones(comp: cst.GeneratorExp | cst.ListComp) -> bool:
+    """``(a.clone(), b.clone()) for a, b in ...`` (``.detach()`` / ``.contiguous()`` beside the clone), one clause, no
+    condition, every loop variable once and in order; or ``tuple(t.clone() for t in layer) for layer in ...``."""
+    clause = comp.for_in
+    if clause.inner_for_in is not None or clause.ifs or clause.asynchronous is not None:
+        return False
+    loop = [dotted(e.value) for e in clause.target.elements] if isinstance(clause.target, cst.Tuple) else [dotted(clause.target)]
+    element = comp.elt
+    if isinstance(element, cst.Tuple):
+        return [_cloned(e.value) for e in element.elements] == loop and None not in loop
+    if isinstance(element, cst.Call) and dotted(element.func) == "tuple" and len(element.args) == 1 and len(loop) == 1:
+        inner = element.args[0].value
+        return isinstance(inner, cst.GeneratorExp) and dotted(inner.for_in.iter) == loop[0] and inner.for_in.inner_for_in is None \
+            and not inner.for_in.ifs and _cloned(inner.elt) == dotted(inner.for_in.target) is not None
+    return False
+
+
+def _cloned(expr: cst.BaseExpression) -> str | None:
+    """``x`` for ``x.clone()`` (with ``.detach()`` / ``.contiguous()`` before or after the clone), else None."""
+    methods = []
+    while isinstance(expr, cst.Call) and isinstance(expr.func, cst.Attribute) and not expr.args:
+        methods.append(expr.func.attr.value)
+        expr = expr.func.value
+    if "clone" not in methods or not set(methods) <= {"clone", "detach", "contiguous"}:
+        return None
+    return dotted(expr) if isinstance(expr, cst.Name) else None
+
+
+def _nodes(node: cst.CSTNode, kind: type) -> list:
+    found: list = []
+
+    class _V(cst.CSTVisitor):
+        def on_visit(self, n: cst.CSTNode) -> bool:
+            if isinstance(n, kind):
+                found.append(n)
+            return True
 
     node.visit(_V())
     return found

@@ -24,7 +24,8 @@ Statuses and the evidence each rests on:
 * ``already-applied`` / ``fixed-upstream`` -- the target's cache is built with
   ``config=<target>.config`` (``already-applied`` with ddpatch's provenance line), or
   with another expression that reads the target and nothing of the drafter; a shared
-  factory gives each cache its own model's config.
+  factory gives each cache its own model's config; a config factory of another file
+  (``flow_factories``: ``create_generation_cache(target.config)``) is given the target's config.
 * ``applied`` (at run time) -- where the code does not say which cache is the target's
   (one factory returning both bare caches, a shared bare factory, caches kept in a dict or
   a namespace, ``DynamicCache() if ... else ...``, a cache from a call ddpatch cannot read),
@@ -45,6 +46,7 @@ Statuses and the evidence each rests on:
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 
 import libcst as cst
@@ -53,6 +55,7 @@ from libcst.metadata import PositionProvider, QualifiedNameProvider
 from .base import (APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, UNCLASSIFIED, Example, Step, code, dotted, is_runtime_call, keyword,
                    runtime_call)
 from .flow import ROLE_TRIGGER, DRAFT_CACHE, DRAFTER, TARGET, TARGET_CACHE, Fn, ModuleFlow, is_role
+from .flow_factories import config_factories, unread_cache_source
 from .flow_prefilter import may_have_roles
 from .flow_tree import may_have_targets, target_seeds
 
@@ -83,8 +86,9 @@ class TargetCacheConfig(Step):
     ID = "target-cache-config"
     DESCRIPTION = "Give the target model's DynamicCache the target's config; keep the target's config off draft caches."
     TRIGGERS = (r"DynamicCache",)
-    #: ``seeds``: parameters of the tree's functions that callers elsewhere hand the target (``scan_tree``)
-    PARAMS: dict = {"seeds": {}}
+    #: ``seeds``: parameters of the tree's functions that callers elsewhere hand the target; ``factories``: functions
+    #: of other files that build ``DynamicCache(config=...)`` from a parameter (``scan_tree``)
+    PARAMS: dict = {"seeds": {}, "factories": {}}
     #: every file that calls something: the callers that hand a decoder its target are found in them by name
     TREE_TRIGGER = r"\w\("
     NEEDS_SCOPE = True
@@ -165,7 +169,8 @@ class TargetCacheConfig(Step):
 
     @classmethod
     def triggers(cls, params) -> tuple[str, ...]:
-        return (r"DynamicCache", ROLE_TRIGGER + r"|past_key_values|cache\s*=")
+        made = "".join("|" + re.escape(name) for name in sorted(params.get("factories") or {}))
+        return (r"DynamicCache" + made, ROLE_TRIGGER + r"|past_key_values|cache\s*=")
 
     @classmethod
     def may_match(cls, tree: ast.Module, params) -> bool:
@@ -175,8 +180,12 @@ class TargetCacheConfig(Step):
     @classmethod
     def scan_tree(cls, sources: dict[str, str], params) -> dict:
         """The tree's functions that callers hand the target beside a decoder (``flow_tree.target_seeds``)."""
-        seeds = target_seeds(sources)
-        return {"seeds": seeds} if seeds else {}
+        found = {"seeds": target_seeds(sources), "factories": config_factories(sources)}
+        return {key: value for key, value in found.items() if value}
+
+    @classmethod
+    def near_miss(cls, text: str, function: str, params: dict) -> str | None:
+        return unread_cache_source(text, function)
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)
@@ -190,7 +199,38 @@ class TargetCacheConfig(Step):
         if not isinstance(node, cst.Call):
             return False
         names = self.get_metadata(QualifiedNameProvider, node.func, set())
-        return any(q.name in CACHE_CLASSES for q in names)
+        return any(q.name in CACHE_CLASSES for q in names) or self._factory_of(node) is not None
+
+    def _factory_of(self, call: cst.Call) -> list | None:
+        """The config factory of another file ``call`` calls (``flow_factories``), by the name it is imported under."""
+        factories = self.params["factories"]
+        for q in self.get_metadata(QualifiedNameProvider, call.func, set()) if factories else ():
+            if "." in q.name and q.name.rsplit(".", 1)[-1] in factories:
+                return factories[q.name.rsplit(".", 1)[-1]]
+        return None
+
+    def _through_factory(self, flow: ModuleFlow, call: cst.Call, uses: list[_Use], factory: list, target: bool) -> None:
+        """A cache a config factory of another file builds: judged by the argument its parameter is given here."""
+        index, param, where = factory
+        fn, made = uses[0].fn.name, code(call.func)
+        given = [a.value for a in call.args if a.keyword is not None and a.keyword.value == param]
+        positional = [a.value for a in call.args if a.keyword is None and not a.star]
+        arg = given[0] if given else positional[index] if index < len(positional) else None
+        if arg is None:
+            self.marks.append((call, NO_MATCH, f"`{code(call)}`: `{made}` ({where}) builds the cache from its `{param}`, "
+                                               "and this call gives it none ddpatch can read", fn))
+            return
+        reads = set().union(*(flow.roles_of(u.fn, arg, u.env) for u in uses))
+        if target and is_role(reads, TARGET) and DRAFTER not in reads:
+            self.marks.append((call, FIXED_UPSTREAM, f"target cache built from the target's config: `{code(call)}`, and `{made}` "
+                                                     f"({where}) builds `DynamicCache(config=...)` from its `{param}`", fn))
+        elif target:
+            self.marks.append((call, NO_MATCH, f"target cache built by `{code(call)}`: `{made}` ({where}) builds it from "
+                                               f"`{code(arg)}`, which is not the target's config by data flow; give it "
+                                               "`<target>.config`", fn))
+        elif TARGET in reads:
+            self.marks.append((call, NO_MATCH, f"the drafter's cache is built from the target's config: `{code(call)}` "
+                                               f"(`{made}`, {where}); give it the drafter's config", fn))
 
     def visit_Module(self, node: cst.Module) -> bool:
         flow = ModuleFlow(node, self.is_cache_call, seeds=self.params["seeds"], loaded_targets=True)
@@ -336,6 +376,8 @@ class TargetCacheConfig(Step):
 
     def _target(self, flow: ModuleFlow, call: cst.Call, uses: list[_Use]) -> None:
         fn = uses[0].fn.name
+        if self._factory_of(call) is not None:
+            return self._through_factory(flow, call, uses, self._factory_of(call), target=True)
         owners = {u.owner for u in uses}
         owner = owners.pop() if len(owners) == 1 else None
         config = keyword(call, "config")
@@ -361,6 +403,8 @@ class TargetCacheConfig(Step):
 
     def _draft(self, flow: ModuleFlow, call: cst.Call, uses: list[_Use]) -> None:
         fn = uses[0].fn.name
+        if self._factory_of(call) is not None:
+            return self._through_factory(flow, call, uses, self._factory_of(call), target=False)
         bad = [a for a in call.args if any(TARGET in self._reads(flow, u, a) for u in uses)]
         if bad:
             keep = [a for a in call.args if a not in bad]
