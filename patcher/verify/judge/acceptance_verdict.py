@@ -133,7 +133,13 @@ def method_check(name: str, runs: list[dict], floor_data: dict | None, why_none:
             f"in place of --draft for the rollback{note}; {oracle}")}
     verdict = "the integration is exact: the drafter is the limit"
     low = min(rows, key=lambda row: row["mean"] - row["floor"])
+    sharpest = min(rows, key=lambda row: row["reference"] - row["floor"])
+    power = sharpest["reference"] - sharpest["floor"]
+    check["smallest_visible_loss"] = round(power, 3)
+    weak = (f"; near-ties in {dtype} let a mean fall {power:.2f} below the reference unseen: judge in float32 for a sharper "
+            f"verdict" if dtype != "float32" and power > 0.25 else "")
     return {**check, "passed": True, "verdict": verdict, "evidence": (
         f"{verdict}: every one of {judged} rounds accepts what {correct} could from its start (mean {mean_judged:.2f}, reference "
         f"{ref_mean:.2f}; closest to its floor: prompt {low['prompt']}, {low['mean']:.2f} against {low['floor']:.2f}; {source}); "
-        f"a one-token loss fails in any of the {sharp} rounds without a near-tie{note}; {oracle}")}
+        f"a one-token loss fails in any of the {sharp} rounds without a near-tie, and a mean loss of more than {power:.2f} "
+        f"tokens a round anywhere (prompt {sharpest['prompt']}){weak}{note}; {oracle}")}

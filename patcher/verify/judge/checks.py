@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 
 from . import acceptance_verdict as accept, calibration, coverage_runs, drafter_oracle, neartie, oracle, pair_reference, routers
-from ..subjects.binding import call_generate, unsupported_sampling
+from ..subjects.binding import BindError, bind_roles, call_generate, unsupported_sampling
 from ..plumbing.events import emit, error_summary
 from ..models.load import greedy, multi_token_consistent
 from .rows import (MethodStats, drafter_calibration, drafter_check, first_partial, judge_drafter, lossless_check,  # noqa: F401
@@ -53,6 +53,18 @@ def _decoder_row(check: dict, method) -> dict:
     """``check`` naming the method's decoder (file and function) and drafter class."""
     return {**check, "decoder": {"file": method.decoder["file"], "function": method.decoder["qualname"], "kind": method.kind,
                                  "drafter": method.drafter}}
+
+
+def block_of(method, drafts: dict, block_size: int) -> int:
+    """The block size a method decodes with: the run's, where its decoder takes one, else its drafter's own (a drafter's
+    ``spec_generate`` that reads ``self.block_size``)."""
+    draft = drafts.get(method.drafter)
+    try:
+        takes = "block_size" in bind_roles(method.callable_for(draft), method.required()).values()
+    except BindError:
+        takes = True
+    own = getattr(draft, "block_size", None) or getattr(getattr(draft, "config", None), "block_size", None)
+    return block_size if takes or not isinstance(own, int) else own
 
 
 def warm_rows(methods: list, failed: dict) -> list[dict]:
@@ -271,13 +283,13 @@ def verify_model(label: str, cfg: dict, loaded, target, drafts: dict, mask_token
             emit("progress", done=done, total=total, label=f"{label}: {method.name} sampled {cfg['sampling_runs']} times")
 
     f32 = calibration.float32_command(cfg)
-    floors = {}  # drafter class -> (what a correct decoder reaches with it on these prompts, or None, why not)
+    floors = {}  # (drafter class, block size) -> (what a correct decoder reaches with it on these prompts, or None, why not)
     if not (is_preset or scripted) and not sampling:
         budgets_run = sorted({m.budget for m in methods if m.kind == "tree"})
-        for cls_name in dict.fromkeys(m.drafter for m in methods if m.kind != "target"):
-            floors[cls_name] = pair_reference.floor_for(
-                cfg.get("acceptance_floor"), cfg.get("acceptance_floor_missing") or "no stored floor for this drafter", cfg, dtype,
-                target, drafts[cls_name], dcals[cls_name][0], prompts, references, budgets_run,
+        for key in dict.fromkeys((m.drafter, block_of(m, drafts, block_size)) for m in methods if m.kind != "target"):
+            floors[key] = pair_reference.floor_for(
+                cfg.get("acceptance_floor"), cfg.get("acceptance_floor_missing") or "no stored floor for this drafter",
+                {**cfg, "block_size": key[1]}, dtype, target, drafts[key[0]], dcals[key[0]][0], prompts, references, budgets_run,
                 progress=lambda text: emit("progress", done=done, total=total, label=f"{label}: {text}"))
     for method in methods:
         name, st = method.name, stats[method.name]
@@ -309,9 +321,10 @@ def verify_model(label: str, cfg: dict, loaded, target, drafts: dict, mask_token
             dcal, draft_skip = dcals.get(method.drafter, (None, None))
             rows.append(routers.inconclusive(drafter_check(name, st.runs, draft_skip), st.runs, dtype, f32))
             if real and not sampling:  # a real drafter: every round against what a correct decoder reaches from its start
-                floor_data, why_none = floors[method.drafter]
-                rows.append(accept.method_check(name, st.runs, floor_data, why_none, cfg, dtype, references, rows[-1], method.kind,
-                                                method.budget))
+                block = block_of(method, drafts, block_size)
+                floor_data, why_none = floors[(method.drafter, block)]
+                rows.append(accept.method_check(name, st.runs, floor_data, why_none, {**cfg, "block_size": block}, dtype, references,
+                                                rows[-1], method.kind, method.budget))
         if name in distributions:
             d = distributions[name]
             test = oracle.DistributionVerdict(d["statistic"], d["dof"], d["p_value"], d["samples"], d["alpha"])

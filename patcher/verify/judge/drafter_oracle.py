@@ -352,16 +352,21 @@ def calibrate(target, draft, prompt, continuation, mask_id: int, block_size: int
     a, b = ref.features.float().cpu(), other.features.float().cpu()
     dtype = ref.features.dtype
     measured, top, dtype_d = 0.0, 0.0, next(draft.parameters()).dtype
+    head = target.get_output_embeddings()
+    logit_gap, logit_top = 0.0, 0.0
     for start in sorted({prompt.shape[1], (prompt.shape[1] + len(seq)) // 2, len(seq) - 1}):  # blocks early, midway, last
         positions = torch.arange(start + block_size, device=ref.device)[None]
         noise = ref.block(start, block_size, mask_id).to(dtype_d)
         out_a = reference_output(draft, roles, ref.features[None, :start].to(dtype_d), noise, positions)
         out_b = reference_output(draft, roles, other.features[None, :start].to(dtype_d), noise, positions)
         measured, top = max(measured, float((out_a - out_b).abs().max())), max(top, float(out_a.abs().max()))
+        with torch.inference_mode():  # the same two, through the LM head: what the proposals are read from
+            la, lb = (head(o[1:].to(head.weight.device, head.weight.dtype)).float() for o in (out_a, out_b))
+        logit_gap, logit_top = max(logit_gap, float((la - lb).abs().max())), max(logit_top, float(la.abs().max()))
     floors = {"features": max(float((a - b).abs().max()), ulp_of(float(a.abs().max()), dtype)),
-              "output": max(measured, ulp_of(top, dtype_d))}
+              "output": max(measured, ulp_of(top, dtype_d)), "logits": max(logit_gap, ulp_of(logit_top, head.weight.dtype))}
     tolerances = {k: MULTIPLE * v for k, v in floors.items()}
     if dtype == torch.float32:
-        tolerances = {k: max(v, FLOAT32_MIN[k]) for k, v in tolerances.items()}
+        tolerances = {k: max(v, FLOAT32_MIN.get(k, 0.0)) for k, v in tolerances.items()}
     return DrafterCalibration(str(dtype).replace("torch.", ""), floors, tolerances)
 

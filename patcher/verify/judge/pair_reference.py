@@ -24,11 +24,21 @@ from .reference_decode import ScratchPair, budget_of, chain_at, tree_at
 MADE_IN_RUN = "this run: ddpatch's from-scratch reference decoders (patcher/verify/judge/reference_decode.py) on the run's prompts"
 
 
-def epsilon_of(target, output_tolerance: float) -> dict:
-    """Epsilon in logits from the drafter oracle's output tolerance (measured in this run) and this LM head."""
+def epsilon_of(target, output_tolerance: float, logits_tolerance: float | None = None) -> dict:
+    """Epsilon in logits. In float32: the drafter oracle's output tolerance (measured in this run) times this LM head's
+    largest row L1 norm, a bound (|Δlogit| <= |Δhidden|_max x |row|_1) that costs nothing there (1e-3 logits on the
+    shipped pair) and is the stored floor's own rule. In a low precision that bound spans the whole logit range (its
+    output tolerance is 100x wider, and every drafter proposal would be a near-tie), so epsilon is the tolerance the
+    oracle measured on the drafter's logits themselves (``logits_tolerance``: MULTIPLE x the largest logit gap between
+    two exact computations of the same block), where that is the smaller."""
     row = float(target.get_output_embeddings().weight.detach().float().abs().sum(-1).max())
-    return {"logits": output_tolerance * row, "output_tolerance": output_tolerance, "lm_head_max_row_l1": row,
-            "rule": "this run's drafter oracle output tolerance x largest |LM head row|_1"}
+    bound = output_tolerance * row
+    out = {"logits": bound, "output_tolerance": output_tolerance, "lm_head_max_row_l1": row,
+           "rule": "this run's drafter oracle output tolerance x largest |LM head row|_1"}
+    if logits_tolerance is not None and logits_tolerance < bound:
+        out.update(logits=logits_tolerance, bound=bound, rule="this run's drafter oracle tolerance on the drafter's logits "
+                                                              "(MULTIPLE x the measured gap between two exact computations)")
+    return out
 
 
 def context_features(pair: ScratchPair, seq: list[int]):
@@ -84,14 +94,15 @@ def prompt_entry(pair: ScratchPair, prompt: list[int], greedy: list[int], method
 
 
 def in_run_floor(target, draft, prompts: list[list[int]], references: list[list[int]], *, block_size: int, budgets,
-                 max_new_tokens: int, stop_ids, output_tolerance: float, dtype: str, progress=None) -> dict:
+                 max_new_tokens: int, stop_ids, output_tolerance: float, dtype: str, progress=None,
+                 logits_tolerance: float | None = None) -> dict:
     """The floor data of this run (the stored floor's shape): per prompt its greedy continuation and, per method
     (``dflash``, ``ddtree_tbB``), at every start judged the reference's acceptance and the reachable set."""
     from .acceptance import horizon_of
 
     pair = ScratchPair(target, draft, draft.mask_token_id, block_size)
     methods = methods_for(budgets)
-    eps = epsilon_of(target, output_tolerance)
+    eps = epsilon_of(target, output_tolerance, logits_tolerance)
     h = horizon_of(max_new_tokens, block_size)
     out = []
     for i, (prompt, greedy) in enumerate(zip(prompts, references)):
@@ -121,8 +132,10 @@ def floor_for(stored: dict | None, why_missing: str, cfg: dict, dtype: str, targ
         why = why_missing
     if dcal is None:
         return None, f"{why}, and the reference decoders cannot drive this drafter"
+    low = dtype != "float32" and "logits" in dcal.tolerances  # float32 keeps the stored floor's rule (the two agree)
     data = in_run_floor(target, draft, [p[0].tolist() for p in prompts], references, block_size=cfg["block_size"], budgets=budgets,
                         max_new_tokens=cfg["max_new_tokens"], stop_ids=cfg.get("stop_token_ids") or (),
-                        output_tolerance=dcal.tolerances["output"], dtype=dtype, progress=progress)
+                        output_tolerance=dcal.tolerances["output"], dtype=dtype, progress=progress,
+                        logits_tolerance=dcal.tolerances["logits"] if low else None)
     data["instead_of_stored"] = why if stored is not None else None
     return data, ""

@@ -142,6 +142,9 @@ def run(cfg: dict) -> dict:
         result["models"].append(checks.verify_model(cfg.get("label") or Path(cfg["target"]).name, run_cfg, loaded, target, drafts,
                                                     mask, False, prompts, scripted=bool(cfg.get("scripted_draft")),
                                                     choose_mask=bool(cfg.get("scripted_draft")) and not cfg.get("draft"), notes=notes))
+        if not checks.sampling_of(run_cfg):  # the decoders' mode parameters on the user's own model (one short prompt each)
+            result["models"][-1]["checks"] += sibling("judge.coverage_runs").mode_runs(
+                run_cfg, loaded, target, drafts, result["models"][-1].get("mask_token_id", mask), prompts[:1], result["models"][-1])
         result["loaded"] = models.loaded_with(target, cfg)
         return result
     for preset in cfg["presets"]:
