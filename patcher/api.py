@@ -261,11 +261,49 @@ def verify(path: str | Path, timeout: float = 600.0, progress: Callable[[dict], 
         if not_torch:  # an MLX port beside the torch decoders: never run as a torch decoder
             options["not_torch"] = {rel: f"{framework} code, not torch (imports {module})" for rel, (framework, module) in not_torch.items()}
     outcome = run_verify(Path(path), timeout=timeout, progress=progress, **options)
+    settle_hints(outcome, Path(path), options.get("exclude") or ())
     if unpatched is not None:
         from .verify.subjects.upstream_tests import upstream_tests_row
 
         outcome.result.setdefault("checks", []).append(upstream_tests_row(Path(path), unpatched, _steps_by_file, timeout, progress))
     return outcome
+
+
+#: steps whose fix lies where a value is made, not where it fails (a cache built without the target's config fails in
+#: the forward it is handed to): a hint names them where they touched the failing function; the others, the line
+DATA_FLOW_STEPS = ("target-cache-config", "crop-compat", "verify-forward", "tree-commit", "draft-sliding-window")
+
+
+def settle_hints(outcome: Outcome, tree: Path, exclude=()) -> None:
+    """A failing row's hint names a recipe step only where that step touched the failing code: a line the error's
+    frames in the tree passed through (for a data-flow step, their function), whether the site is written or pending.
+    An error in code no step wrote (a drafter's own config field, a fork's helper) is not blamed on the step whose
+    words its message happens to contain."""
+    rows = [r for r in outcome.checks if r.get("hint") and r.get("tree_frames")]
+    rows += [r["then"] for r in outcome.checks if isinstance(r.get("then"), dict) and r["then"].get("hint") and r["then"].get("tree_frames")]
+    if not rows or not tree.is_dir():
+        return
+    try:
+        report = check(tree, exclude=exclude)
+    except INPUT_ERRORS:
+        return
+    steps = {s.spec.id: s for s in report.steps}
+    for row in rows:
+        step = steps.get(row["hint"].split(" ", 1)[0])
+        if step is None:  # not a step's name ("none: the tree imports ddpatch"): it stands
+            continue
+        if step.spec.id in DATA_FLOW_STEPS:
+            here = {(f, fn) for f, _, fn in row["tree_frames"]}
+            touched = {(s.path, (s.function or "<module>").rsplit(".", 1)[-1]) for s in step.sites}
+        else:
+            here = {(f, line) for f, line, _ in row["tree_frames"]}
+            touched = {(s.path, s.line) for s in step.sites}
+        if here & touched:
+            continue
+        where = ", ".join(f"{f}:{line} in {fn}" for f, line, fn in row["tree_frames"][-2:])
+        row["hint"] = None
+        row["not_a_step"] = f"no recipe step touched {where}: the tree's own code (or what it was given) fails there"
+        row["evidence"] = f"{row.get('evidence', '')}; {row['not_a_step']}".lstrip("; ")
 
 
 def _prompts_options(prompts_file: str | Path, options: dict) -> dict:

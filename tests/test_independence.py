@@ -75,3 +75,22 @@ def test_a_decoder_whose_module_does_not_import_hides_no_other_decoder(hand_patc
     assert not loads["passed"] and "the others are judged below" in loads["evidence"]
     assert not checks[("tiny-qwen3_5", "lossless: dflash")]["passed"], "dflash.py still imports and is judged lossy"
     assert ("tiny-qwen3_5", "lossless: ddtree_tb4") not in checks
+
+
+def test_a_hint_names_a_step_only_where_the_step_touched_the_failing_code(tmp_path):
+    """The error reads like input-embeddings' (``no attribute 'embed_tokens'``), but it is raised in a helper of the
+    tree's own that no step touched: no step is blamed (issue 42, item 8)."""
+    out = tmp_path / "p"
+    assert ddpatch("apply", ROOT / "vendored" / "ddtree", "--out", out).returncode == 0
+    path = out / "dflash.py"
+    text = path.read_text()
+    anchor = "def dflash_generate("
+    assert text.count(anchor) == 1
+    text = text.replace(anchor, "def _embed_scale(target):\n    return target.config.embed_tokens\n\n\n" + anchor)
+    body = text.index(":\n", text.index(anchor)) + 2
+    text = text[:body] + "    _embed_scale(target)\n" + text[body:]
+    path.write_text(text)
+    code, payload = verify(out, "--entry", "dflash.py:dflash_generate")
+    row = checks_of(payload)[("tiny-qwen3_5", "warms up: dflash")]
+    assert code == 1 and "no attribute 'embed_tokens'" in row["evidence"], row
+    assert row["hint"] is None and "no recipe step touched dflash.py:" in row["not_a_step"] and "_embed_scale" in row["not_a_step"], row

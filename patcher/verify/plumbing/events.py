@@ -66,6 +66,19 @@ def inside_transformers(frames) -> str | None:
     return f"inside transformers {release}: {where}{called}"
 
 
+#: The tree being verified (set by the worker): an error's frames inside it are kept, so that the parent names a recipe
+#: step as a hint only where that step touched one of them (``patcher.api``).
+TREE: list[str] = []
+
+
+def tree_frames(frames) -> list[list]:
+    """[file relative to the tree, line, function] of each frame inside the tree."""
+    if not TREE:
+        return []
+    root = TREE[0].rstrip("/") + "/"
+    return [[f.filename[len(root):], f.lineno, f.name] for f in frames if f.filename.startswith(root)]
+
+
 def error_summary(exc: BaseException) -> dict:
     """The exception, its last frame, the recipe step it points at, and, when it raised inside
     transformers, the release and the API the tree tripped on."""
@@ -77,6 +90,9 @@ def error_summary(exc: BaseException) -> dict:
         "frame": f"{last.filename}:{last.lineno} in {last.name}" if last else None,
         "hint": hint_for(message + "".join(traceback.format_tb(exc.__traceback__))),
     }
+    inside_tree = tree_frames(frames)
+    if inside_tree:
+        summary["tree_frames"] = inside_tree
     inside = inside_transformers(frames)
     if inside:
         summary["inside"] = inside

@@ -108,6 +108,7 @@ def run(cfg: dict) -> dict:
                                                                           "subjects.decoders", "subjects.methods"))
 
     tree = Path(cfg["tree"]).resolve()
+    events.TREE[:] = [str(tree)]
     env = {"transformers": transformers.__version__, "torch": torch.__version__, "python": sys.version.split()[0]}
     result: dict[str, Any] = {"tree": str(tree), "environment": env, "checks": [], "models": []}
     plan = cfg.get("plan") or decoders.plan(tree, cfg.get("entries"), tuple(cfg.get("exclude") or ()))
