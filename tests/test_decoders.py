@@ -204,3 +204,36 @@ def test_decoders_left_out_of_a_patched_file_are_a_finding(tmp_path):
     check = coverage_check([ok, left], [], [])
     assert not check["passed"] and "b.py:caddtree_generate" in check["evidence"] and "2 found, 1 verified" in check["evidence"]
     assert coverage_check([ok, {**left, "patched": False}], [], [])["passed"], "an unpatched file's decoder is named, not failed"
+
+
+def test_a_decoder_is_never_run_with_a_drafter_class_that_lacks_what_it_calls():
+    from patcher.verify.subjects.methods import unfit_classes
+
+    class DFlashDraftModel:
+        def forward(self, target_hidden, noise_embedding):
+            return target_hidden
+
+    class DFlash2DraftModel(DFlashDraftModel):
+        def propose(self, hidden):
+            return hidden
+
+    def dflash2_generate(model, target, input_ids, max_new_tokens):
+        return model.propose(model.forward(input_ids, input_ids))
+
+    def dflash_generate(model, target, input_ids, max_new_tokens):
+        return model.forward(input_ids, input_ids)
+
+    classes = {"DFlashDraftModel": DFlashDraftModel, "DFlash2DraftModel": DFlash2DraftModel}
+    assert unfit_classes(dflash2_generate, classes) == {
+        "DFlashDraftModel": "it calls model.propose(), which only DFlash2DraftModel defines"}
+    assert unfit_classes(dflash_generate, classes) == {}
+
+
+def test_a_drafter_class_the_verifier_cannot_build_fails_naming_what_it_lacks():
+    from patcher.verify.judge.checks import drafter_class_row
+
+    row = drafter_class_row("DFlash2DraftModel", "AttributeError: 'Qwen3Config' object has no attribute 'sample_from_anchor'", True)
+    assert not row["passed"] and "its code reads config.sample_from_anchor" in row["evidence"], row
+    assert "--draft DIR" in row["evidence"]
+    chosen = drafter_class_row("DFlash2DraftModel", "the --draft folder is a DFlashDraftModel", False)
+    assert chosen["passed"] and chosen["info"]

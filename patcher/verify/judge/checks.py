@@ -55,6 +55,22 @@ def _decoder_row(check: dict, method) -> dict:
                                  "drafter": method.drafter}}
 
 
+def drafter_class_row(name: str, why: str, built_here: bool) -> dict:
+    """``drafter class NAME``: a class the verifier had to build (a random preset's drafter) and could not is a failure
+    naming what it lacked, since the decoders' paths through that class go unverified; one a ``--draft`` folder is
+    not is reported (the user chose the folder)."""
+    import re
+
+    if not built_here:
+        return {"check": f"drafter class {name}", "passed": True, "info": True, "evidence": f"not run on this model: {why}"}
+    field = re.search(r"has no attribute '(\w+)'", why)
+    what = (f"its code reads config.{field.group(1)}, which the verifier cannot make up for a scaled-down drafter"
+            if field else why)
+    return {"check": f"drafter class {name}", "passed": False, "evidence": (
+        f"cannot build it from a scaled-down config: {what} ({why}); the decoders are not run with it: verify it on a "
+        "checkpoint whose config.json has it (--target DIR --draft DIR)")}
+
+
 def block_of(method, drafts: dict, block_size: int) -> int:
     """The block size a method decodes with: the run's, where its decoder takes one, else its drafter's own (a drafter's
     ``spec_generate`` that reads ``self.block_size``)."""
@@ -101,8 +117,7 @@ def verify_model(label: str, cfg: dict, loaded, target, drafts: dict, mask_token
     budgets = set(cfg["tree_budgets"])
     methods = [m for m in loaded.methods if (m.kind != "tree" or m.budget in budgets) and (m.drafter is None or m.drafter in drafts)]
     for name, why in (notes or {}).items():
-        checks.append({"check": f"drafter class {name}", "passed": True, "info": True,
-                       "evidence": f"not run on this model: {why}"})
+        checks.append(drafter_class_row(name, why, is_preset))
 
     # the reference continuations, then the noise floor on them: the tolerance follows this target, dtype and device
     # (greedy's own forwards give the noise floor's token-by-token rows and, for prompt 0, the drafter oracle's

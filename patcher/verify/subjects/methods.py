@@ -115,6 +115,11 @@ def load(tree: Path, plan: dict, budgets: list[int], error_summary) -> Loaded:
                                             "target_hidden and a noise embedding)")
             continue
         classes = [None] if kind == "target" else [n for n in order if not drafter_method or issubclass(drafters[n], drafters[owner])]
+        if kind != "target" and not drafter_method:  # a decoder that calls what only some drafter classes define runs with those
+            unfit = unfit_classes(obj, {n: drafters[n] for n in classes})
+            if unfit:
+                d["not_with"] = unfit
+                classes = [n for n in classes if n not in unfit] or classes
         for cls_name in classes:
             suffix = "" if cls_name in (None, primary) or (drafter_method and cls_name == owner) else f"[{cls_name}]"
             for budget in (budgets if kind == "tree" else [None]):
@@ -125,6 +130,35 @@ def load(tree: Path, plan: dict, budgets: list[int], error_summary) -> Loaded:
     for d in plan.get("left_out", []):
         decoders.append(dict(d))
     return Loaded(methods, drafters, primary, decoders, problems, notes)
+
+
+def unfit_classes(fn, classes: dict) -> dict[str, str]:
+    """The drafter classes a decoder cannot run with, and why: it calls a method on its drafter parameter
+    (``model.propose(...)``) that some of the tree's drafter classes define and these do not. A DFlash2-only decoder is
+    never run with the plain ``DFlashDraftModel`` (its failure would say nothing about the decoder)."""
+    import ast
+    import textwrap
+
+    try:
+        from .binding import bind_roles
+
+        param = next((name for name, role in bind_roles(fn).items() if role == "draft"), None)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (BindError, OSError, TypeError, SyntaxError):
+        return {}
+    if param is None:
+        return {}
+    called = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+              and isinstance(n.func.value, ast.Name) and n.func.value.id == param}
+    specific = {a for a in called if any(callable(getattr(c, a, None)) for c in classes.values())
+                and not all(callable(getattr(c, a, None)) for c in classes.values())}
+    out = {}
+    for name, cls in classes.items():
+        missing = sorted(a for a in specific if not callable(getattr(cls, a, None)))
+        if missing:
+            owners = sorted(n for n, c in classes.items() if all(callable(getattr(c, a, None)) for a in missing))
+            out[name] = f"it calls {param}.{missing[0]}(), which only {', '.join(owners) or 'another class'} defines"
+    return out
 
 
 def load_rows(plan: dict, loaded: Loaded) -> list[dict]:
@@ -162,6 +196,9 @@ def coverage_check(decoders: list[dict], unparsed: list[str], notes: list[str], 
         text += "; not verified: " + "; ".join(f"{d['file']}:{d['qualname']} ({d.get('reason') or 'not run'})" for d in left)
     if notes:
         text += "; drafter classes not run: " + "; ".join(notes)
+    unfit = [f"{d['label']} not with {cls} ({why})" for d in verified for cls, why in (d.get("not_with") or {}).items()]
+    if unfit:
+        text += "; " + "; ".join(unfit)
     if unparsed:
         text += f"; {len(unparsed)} file(s) not parsed: {', '.join(unparsed[:5])}"
     if excluded:
