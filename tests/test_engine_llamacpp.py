@@ -238,3 +238,40 @@ def running_with(word: str) -> list[int]:
         except OSError:
             continue
     return found
+
+
+# ----------------------------------------------------------------------------- the referee on the real engine
+def referee(llama, target, draft, tmp_path_factory, **serve) -> tuple[int, dict]:
+    """``ddpatch referee`` against llama-server serving ``target`` and ``draft`` (4 of the held-out prompts)."""
+    import json
+    import subprocess
+    import sys
+
+    with es.serve(llama, target, draft, log_dir=tmp_path_factory.mktemp("referee-log"), **serve) as server:
+        proc = subprocess.run([sys.executable, "-m", "patcher", "referee", "--engine", server.url, "--target", str(es.PAIR / "target"),
+                               "--draft", str(es.PAIR / "draft"), "--prompts", "4", "--max-new-tokens", str(N_PREDICT),
+                               "--format", "json"], capture_output=True, text=True, cwd=es.ROOT, timeout=900)
+    assert proc.returncode in (0, 1), proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.returncode, json.loads(proc.stdout)
+
+
+@pytest.mark.slow
+def test_the_referee_finds_the_correct_engine_exact_at_a_correct_dflashs_acceptance(llama, pair, tmp_path_factory):
+    code, result = referee(llama, *pair, tmp_path_factory)
+    v = result["verdict"]
+    assert code == 0 and v["kind"] == "exact", v
+    assert v["line"].startswith("the engine reaches a correct DFlash's acceptance with this pair: the drafter is the limit")
+    for row in result["per_prompt"]:
+        assert row["identical"] and row["acceptance"]["exact"], row  # the rounds read from /metrics, not derived
+        assert row["engine"] == pytest.approx(row["reference"]), row  # round by round the same decode as the reference
+    assert set(result["ddtree"]) == {"8", "16"} and result["engine"]["kind"] == "llama.cpp"  # JSON keys are strings
+
+
+@pytest.mark.slow
+def test_the_referee_reports_a_drafter_read_at_the_wrong_layers_with_its_figures(llama, pair, layers, tmp_path_factory):
+    code, result = referee(llama, pair[0], layers([7, 5, 2]), tmp_path_factory)
+    v = result["verdict"]
+    assert code == 1 and v["kind"] == "loses acceptance", v
+    assert all(row["identical"] for row in result["per_prompt"]), "still lossless: the target verifies every token"
+    assert v["engine"] < v["reference"] - 1.0, v
+    assert f"the engine accepts {v['engine']:.2f} where a correct DFlash accepts {v['reference']:.2f}" in v["line"]
