@@ -107,3 +107,19 @@ def test_a_bad_folder_or_prompts_file_is_one_line_before_any_request(tmp_path):
                        (["--target", str(target), "--draft", str(draft), "--prompts-file", str(empty)], "prompts.jsonl")):
         result = CliRunner().invoke(main, ["referee", "--engine", "http://127.0.0.1:9", *args])
         assert result.exit_code == 2 and says in result.stderr, result.output
+
+
+def test_the_html_page_draws_each_round_against_the_reference_and_acceptance_by_budget():
+    from patcher.report.html import render_html
+    from patcher.results import Outcome
+
+    def row(name, mean, ref, judged):
+        return {"check": f"acceptance: {name}", "passed": True, "evidence": "", "acceptance_mean": mean, "judged_mean": mean,
+                "reference_mean": ref, "per_prompt": [{"prompt": 0, "judged": judged}]}
+
+    judged = [{"round": 0, "start": 0, "accepted": 3, "reachable": [3]}, {"round": 1, "start": 3, "accepted": 1, "reachable": [4]}]
+    checks = [row("dflash", 3.0, 3.2, judged), row("ddtree_tb8", 3.5, 3.6, judged), row("ddtree_tb16", 4.0, 4.1, judged)]
+    page = render_html(Outcome({"tree": "t", "models": [{"model": "pair", "checks": checks, "methods": []}]}, 1.0), "FAIL")
+    assert page.count('aria-label="acceptance per round against the reference') == 3
+    assert 'aria-label="acceptance by tree budget against DFlash"' in page
+    assert "round 1 at new token 4: accepted 1" in page and 'fill="#c00"' in page  # the round outside its set, in red

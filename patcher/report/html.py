@@ -1,8 +1,9 @@
 """``ddpatch verify --html FILE``: one offline, self-contained page that shows why the verdict is what it is.
 
-Per model: the checks; the acceptance histograms of every method side by side, on one scale; then per
-method an inline SVG of |Δlogit| per new token (the worst run at each position) against the calibrated
-tolerance and the noise floor, near-ties marked on the axis. No script, no network, no plotting
+Per model: the checks; the acceptance histograms of every method side by side, on one scale; with a real
+drafter, acceptance by tree budget against DFlash and, per judged method, every round against what a correct
+decoder reaches from the same start; then per method an inline SVG of |Δlogit| per new token (the worst run at
+each position) against the calibrated tolerance and the noise floor, near-ties marked on the axis. No script, no network, no plotting
 library: plain SVG and CSS.
 """
 
@@ -123,6 +124,87 @@ def acceptance_svg(methods: list[dict], checks: list[dict] | None = None) -> str
     return "".join(parts)
 
 
+def rounds_svg(check: dict) -> str:
+    """One method's judged rounds, prompt after prompt: what it accepted (a dot: red where no correct decoder could
+    from that start) against what a correct one reaches from the same start (a grey band: the reachable set, from
+    ddpatch's reference)."""
+    rounds = [(p["prompt"], r) for p in check.get("per_prompt", []) for r in p.get("judged", []) if r.get("reachable")]
+    if not rounds:
+        return ""
+    top = max(max(r["accepted"], max(r["reachable"])) for _, r in rounds) + 1
+    left, head, plot_w, plot_h = 34, 18, W - 34 - 20, 140
+    step = plot_w / len(rounds)
+
+    def y(v):
+        return head + plot_h * (1 - v / top)
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{head + plot_h + 34}" role="img" '
+             f'aria-label="acceptance per round against the reference for {_e(check["check"])}">',
+             f'<rect x="{left}" y="{head}" width="{plot_w}" height="{plot_h}" fill="#fafafa" stroke="#ccc"/>']
+    for tick in range(0, top + 1, max(1, top // 4)):
+        parts.append(f'<text x="{left - 4}" y="{y(tick) + 3:.1f}" font-size="9" text-anchor="end">{tick}</text>')
+    last = None
+    for i, (prompt, r) in enumerate(rounds):
+        x = left + step * (i + 0.5)
+        if prompt != last:
+            parts.append(f'<line x1="{x - step / 2:.1f}" x2="{x - step / 2:.1f}" y1="{head}" y2="{head + plot_h}" stroke="#ddd"/>'
+                         f'<text x="{x - step / 2 + 2:.1f}" y="{head - 4}" font-size="9">prompt {prompt}</text>')
+            last = prompt
+        lo, hi = min(r["reachable"]), max(r["reachable"])
+        parts.append(f'<rect x="{x - max(step * 0.4, 1):.1f}" y="{y(hi + 0.3):.1f}" width="{max(step * 0.8, 2):.1f}" '
+                     f'height="{y(lo - 0.3) - y(hi + 0.3):.1f}" fill="#ddd"><title>a correct decoder accepts {lo}..{hi} from new token '
+                     f'{r["start"] + 1}</title></rect>')
+        off = r["accepted"] not in r["reachable"]
+        parts.append(f'<circle cx="{x:.1f}" cy="{y(r["accepted"]):.1f}" r="{2.5 if step > 4 else 1.5}" fill="{"#c00" if off else "#36c"}">'
+                     f'<title>round {r["round"]} at new token {r["start"] + 1}: accepted {r["accepted"]}</title></circle>')
+    parts.append(f'<text x="{left}" y="{head + plot_h + 24}" font-size="10">tokens committed per round (dot) against what a '
+                 "correct decoder reaches from the same start (grey; red dot: outside it)</text></svg>")
+    return "".join(parts)
+
+
+def budgets_svg(checks: list[dict]) -> str:
+    """Acceptance by tree budget against DFlash's: the tree's mean at each budget and the reference's (what a correct
+    DDTree reaches with the pair), DFlash's as a line across."""
+    rows = {c["check"].split(": ", 1)[1]: c for c in checks if c["check"].startswith("acceptance: ") and c.get("judged_mean")}
+    trees = sorted(((int(n.rsplit("tb", 1)[1]), c) for n, c in rows.items() if n.startswith("ddtree_tb") and n.rsplit("tb", 1)[1].isdigit()))
+    if not trees:
+        return ""
+    chain = rows.get("dflash")
+    values = [c["judged_mean"] for _, c in trees] + [c.get("reference_mean") or 0 for _, c in trees]
+    values += [chain["judged_mean"], chain.get("reference_mean") or 0] if chain else []
+    top = math.ceil(max(values) + 0.5)
+    left, head, plot_w, plot_h = 40, 14, W - 40 - 120, 140
+
+    def x(i):
+        return left + plot_w * (i + 0.5) / len(trees)
+
+    def y(v):
+        return head + plot_h * (1 - v / top)
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{head + plot_h + 36}" role="img" '
+             'aria-label="acceptance by tree budget against DFlash">',
+             f'<rect x="{left}" y="{head}" width="{plot_w}" height="{plot_h}" fill="#fafafa" stroke="#ccc"/>']
+    for tick in range(0, top + 1):
+        parts.append(f'<text x="{left - 4}" y="{y(tick) + 3:.1f}" font-size="9" text-anchor="end">{tick}</text>')
+    if chain:
+        for value, dash, label in ((chain["judged_mean"], "", "DFlash"), (chain.get("reference_mean"), "4,2", "correct DFlash")):
+            if value:
+                parts.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{y(value):.1f}" y2="{y(value):.1f}" stroke="#e67e22" '
+                             f'stroke-dasharray="{dash}"/><text x="{left + plot_w + 4}" y="{y(value) + 3:.1f}" font-size="10" '
+                             f'fill="#e67e22">{label} {value:.2f}</text>')
+    for key, colour, dash in (("reference_mean", "#888", "4,2"), ("judged_mean", "#36c", "")):
+        pts = [(x(i), y(c[key])) for i, (_, c) in enumerate(trees) if c.get(key)]
+        if len(pts) > 1:
+            parts.append(f'<polyline points="{" ".join(f"{a:.1f},{b:.1f}" for a, b in pts)}" fill="none" stroke="{colour}" '
+                         f'stroke-dasharray="{dash}"/>')
+        parts += [f'<circle cx="{a:.1f}" cy="{b:.1f}" r="3" fill="{colour}"/>' for a, b in pts]
+    for i, (budget, c) in enumerate(trees):
+        parts.append(f'<text x="{x(i):.1f}" y="{head + plot_h + 12}" font-size="9" text-anchor="middle">{budget}</text>')
+    parts.append(f'<text x="{left}" y="{head + plot_h + 28}" font-size="10">mean tokens per judged round by tree budget: the '
+                 "tree (blue), a correct DDTree with this pair (grey), DFlash (orange)</text></svg>")
+    return "".join(parts)
+
+
 def render_html(outcome: Outcome, verdict: str) -> str:
     res = outcome.result
     env = res.get("environment", {})
@@ -155,6 +237,13 @@ def render_html(outcome: Outcome, verdict: str) -> str:
         out.append("</table>")
         if m.get("methods"):
             out.append("<h3>acceptance lengths, every method on one scale</h3>" + acceptance_svg(m["methods"], m["checks"]))
+        by_budget = budgets_svg(m["checks"])
+        if by_budget:
+            out.append("<h3>acceptance by tree budget, against DFlash</h3>" + by_budget)
+        for c in m["checks"]:
+            picture = rounds_svg(c) if c["check"].startswith("acceptance: ") else ""
+            if picture:
+                out.append(f"<h3>{_e(c['check'])}: every round against a correct decoder's from the same start</h3>" + picture)
         for s in m.get("methods", []):
             out.append(f"<h3>{_e(s['method'])}: {s.get('identical_runs', 0)}/{len(s.get('runs', []))} identical, "
                        f"{s.get('near_ties', 0)} near-tie(s)</h3>")

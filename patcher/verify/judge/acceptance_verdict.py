@@ -106,7 +106,8 @@ def method_check(name: str, runs: list[dict], floor_data: dict | None, why_none:
     room = sum(row["room"] for row in rows)
     sharp = sum(row.pop("sharp") for row in rows)
     mean_judged = _mean([a for row in rows for a in row["acceptance"]])
-    check.update(acceptance_mean=round(mean, 3), reference_mean=round(ref_mean, 3), reference=source, judged_rounds=judged,
+    check.update(acceptance_mean=round(mean, 3), judged_mean=round(mean_judged, 3), reference_mean=round(ref_mean, 3),
+                 reference=source, judged_rounds=judged,
                  rounds_with_room=room, sharp_rounds=sharp, per_prompt=[{k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
                                                     for row in rows])
     off = [(row, o) for row in rows for o in row["off"]]
