@@ -123,3 +123,12 @@ def test_the_html_page_draws_each_round_against_the_reference_and_acceptance_by_
     assert page.count('aria-label="acceptance per round against the reference') == 3
     assert 'aria-label="acceptance by tree budget against DFlash"' in page
     assert "round 1 at new token 4: accepted 1" in page and 'fill="#c00"' in page  # the round outside its set, in red
+
+
+def test_prompts_above_and_below_a_correct_dflash_say_the_drafter_is_fed_otherwise():
+    """The converter's ``+ 1`` forgotten: the same acceptance overall, other rounds on every prompt (docs/engines.md)."""
+    ref = reference()
+    rows = [judge_prompt(0, ref, answer(ref.greedy, 6, 5), N, [8]), judge_prompt(1, ref, answer(ref.greedy, 14, 1), N, [8])]
+    v = verdict(rows, "llama.cpp")
+    assert not v["passed"] and v["kind"] == "differs", v
+    assert "1 of 2 prompts below their floor (prompt 0: 2.20 < 3.75), 1 above what a correct DFlash reaches (prompt 1: 15.00" in v["line"]

@@ -84,7 +84,15 @@ def verdict(rows: list[dict], engine_kind: str) -> dict:
         r["above"] = r["engine"] is not None and r["ceiling"] is not None and r["engine"] > r["ceiling"] + slack
     below = [r for r in rows if r["below"]]
     above = [r for r in rows if r["above"]]
-    if below:
+    if below and above:
+        low = min(below, key=lambda r: r["engine"] - r["floor"])
+        high = max(above, key=lambda r: r["engine"] - r["ceiling"])
+        out.update(kind="differs", passed=False, line=(
+            f"the engine's acceptance is not a correct DFlash's prompt by prompt: {len(below)} of {len(rows)} prompts below their "
+            f"floor (prompt {low['prompt']}: {low['engine']:.2f} < {low['floor']:.2f}), {len(above)} above what a correct DFlash "
+            f"reaches (prompt {high['prompt']}: {high['engine']:.2f} > {high['ceiling']:.2f}), {engine:.2f} against {reference:.2f} "
+            "overall: the drafter is fed otherwise than the reference feeds it (its context features, its block)"))
+    elif below:
         worst = min(below, key=lambda r: r["engine"] - r["floor"])
         out.update(kind="loses acceptance", passed=False, line=(
             f"the engine accepts {engine:.2f} where a correct DFlash accepts {reference:.2f}: the integration loses acceptance "
