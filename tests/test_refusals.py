@@ -165,7 +165,7 @@ def test_a_text_config_cache_lays_out_the_layers_the_targets_own_config_does():
     VLM layout) the same cache layers as its own config, linear-attention layers included."""
     from transformers import DynamicCache
 
-    from patcher.verify.presets import build_target
+    from patcher.verify.models.presets import build_target
 
     for preset in ("tiny-qwen3_5-vlm", "tiny-qwen3_5"):
         config = build_target(preset, seed=0).config
@@ -206,7 +206,7 @@ def test_the_round_trip_becomes_a_deepcopy_that_copies_a_hybrid_cache_exactly():
     from transformers import DynamicCache
 
     from patcher.runtime import from_legacy_cache, to_legacy_cache
-    from patcher.verify.presets import build_target
+    from patcher.verify.models.presets import build_target
 
     prompt, more = torch.tensor([[3, 14, 15, 9, 26, 5]]), torch.tensor([[35, 8]])
     m = build_target("tiny-qwen3_5", seed=0)

@@ -71,17 +71,17 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
             raise VerifyError(f"--{key} {options[key]} does not exist")
     if options.get("draft") and not options.get("target"):
         raise VerifyError("--draft needs --target")
+    if options.get("scripted_draft") and not options.get("target"):
+        raise VerifyError("--scripted-draft needs --target (or the trained-qwen3_5 preset): a random preset's draft is "
+                          "always scripted already, from the target's greedy continuation (true token at rank 0, 1 or nowhere)")
+    if options.get("target") and not options.get("draft") and not options.get("scripted_draft"):
+        raise VerifyError("--target needs --draft, or --scripted-draft to build a scripted draft from the tree's DFlashDraftModel")
     try:  # bad model folders are the user's input, told in one line before a child starts
         check_pair(options.get("target"), options.get("draft"))
         for pair in options.get("pairs") or ():
             check_pair(pair.get("target"), pair.get("draft"))
     except FolderError as exc:
         raise VerifyError(str(exc)) from None
-    if options.get("scripted_draft") and not options.get("target"):
-        raise VerifyError("--scripted-draft needs --target (or the trained-qwen3_5 preset): a random preset's draft is "
-                          "always scripted already, from the target's greedy continuation (true token at rank 0, 1 or nowhere)")
-    if options.get("target") and not options.get("draft") and not options.get("scripted_draft"):
-        raise VerifyError("--target needs --draft, or --scripted-draft to build a scripted draft from the tree's DFlashDraftModel")
     options = narrowed(tree, options)
     options = real_drafter_defaults(options)
     try:
