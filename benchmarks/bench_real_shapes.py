@@ -87,6 +87,18 @@ def build_target(dest: Path, vocab: int, layers: int, seed: int) -> dict:
     model.to(torch.bfloat16)  # on the meta device: nothing is allocated
     model.config.architectures = [type(model).__name__]
     model.config.dtype = torch.bfloat16
+    offset = _stream_init(model, dest, seed)
+    model.config.save_pretrained(dest)
+    params = offset // 2
+    return {"vocab": vocab, "layers": layers, "seed": seed, "parameters": params, "bytes": offset,
+            "build_seconds": round(time.perf_counter() - start, 1), **QWEN3_6_27B}
+
+
+def _stream_init(model, dest: Path, seed: int) -> int:
+    """Initialise ``model`` (on the meta device, bf16) one module at a time by its own rules and stream it into
+    ``dest/model.safetensors``: never the whole model in memory. Returns the bytes written."""
+    import torch
+
     owners = [(name, module) for name, module in model.named_modules() if any(True for _ in module.parameters(recurse=False))]
     entries, offset = {}, 0
     for name, module in owners:
@@ -101,7 +113,7 @@ def build_target(dest: Path, vocab: int, layers: int, seed: int) -> dict:
     with open(dest / "model.safetensors", "wb") as f:
         f.write(len(header).to_bytes(8, "little"))
         f.write(header)
-        for name, module in owners:  # one module at a time, initialised by the model's own rules, written, freed
+        for name, module in owners:
             module.to_empty(device="cpu", recurse=False)
             torch.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             with torch.no_grad():
@@ -109,10 +121,46 @@ def build_target(dest: Path, vocab: int, layers: int, seed: int) -> dict:
             for _, p in module.named_parameters(recurse=False):
                 p.data.contiguous().view(torch.uint8).numpy().tofile(f)
             module.to_empty(device="meta", recurse=False)
+    return offset
+
+
+#: a DFlash drafter for Qwen3.6-27B's sizes (as the released drafters are shaped: the target's hidden, MLP and attention
+#: sizes, a block of 16, its context read at a few of the target's layers)
+DRAFT_LAYERS, DRAFT_BLOCK = 2, 16
+
+
+def build_drafter(dest: Path, tree: Path, target_info: dict, seed: int) -> dict:
+    """A drafter folder of the tree's own ``DFlashDraftModel`` class at the real sizes, random and seeded (it predicts
+    nothing: its acceptance row measures the cost of judging, and says it cannot judge this drafter)."""
+    import importlib
+    import sys as _sys
+
+    import torch
+
+    start = time.perf_counter()
+    _sys.path.insert(0, str(tree))
+    try:
+        cls = importlib.import_module("model").DFlashDraftModel
+    finally:
+        _sys.path.remove(str(tree))
+    dims = QWEN3_6_27B
+    layers = target_info["layers"]
+    cfg = cls.config_class(vocab_size=target_info["vocab"], hidden_size=dims["hidden_size"], intermediate_size=dims["intermediate_size"],
+                           num_hidden_layers=DRAFT_LAYERS, num_attention_heads=dims["num_attention_heads"],
+                           num_key_value_heads=dims["num_key_value_heads"], head_dim=dims["head_dim"], max_position_embeddings=4096,
+                           tie_word_embeddings=False, layer_types=["full_attention"] * DRAFT_LAYERS)
+    cfg.block_size = DRAFT_BLOCK
+    cfg.num_target_layers = layers
+    cfg.dflash_config = {"mask_token_id": target_info["vocab"] - 1, "target_layer_ids": sorted({1, layers - 2})}
+    cfg.architectures = [cls.__name__]
+    with torch.device("meta"):
+        model = cls(cfg)
+    model.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    size = _stream_init(model, dest, seed + 1)
     model.config.save_pretrained(dest)
-    params = sum(e["data_offsets"][1] - e["data_offsets"][0] for e in entries.values()) // 2
-    return {"vocab": vocab, "layers": layers, "seed": seed, "parameters": params, "bytes": offset,
-            "build_seconds": round(time.perf_counter() - start, 1), **QWEN3_6_27B}
+    return {"layers": DRAFT_LAYERS, "block_size": DRAFT_BLOCK, "bytes": size, "parameters": size // 2,
+            "build_seconds": round(time.perf_counter() - start, 1)}
 
 
 def target_folder(root: Path, vocab: int, layers: int, seed: int) -> tuple[Path, dict, bool]:
@@ -347,8 +395,13 @@ def watched(command: list[str], time_limit: float, max_rss: float, **popen) -> t
     return figures, out.read(), err.read()
 
 
-def run_verify(tree: Path, target: Path, time_limit: float, max_rss: float, extra: list[str]) -> dict:
-    command = [sys.executable, "-m", "patcher", "verify", str(tree), "--target", str(target), "--scripted-draft",
+#: the judged-acceptance run's settings (a CPU's minutes): the drafter's block, two budgets, two prompts
+JUDGED = ["--prompts", "2", "--max-new-tokens", "48", "--tree-budgets", "8,16", "--greedy-only"]
+
+
+def run_verify(tree: Path, target: Path, time_limit: float, max_rss: float, extra: list[str], draft: Path | None = None) -> dict:
+    how = ["--draft", str(draft), *JUDGED] if draft is not None else ["--scripted-draft"]
+    command = [sys.executable, "-m", "patcher", "verify", str(tree), "--target", str(target), *how,
                "--dtype", "bfloat16", "--format", "json", "--timeout", str(time_limit), *extra]
     figures, stdout, stderr = watched(command, time_limit, max_rss, cwd=ROOT)
     result = {"command": " ".join(command), **figures}
@@ -361,8 +414,8 @@ def run_verify(tree: Path, target: Path, time_limit: float, max_rss: float, extr
     if isinstance(payload, dict):
         result["passed"] = payload.get("passed")
         models = payload.get("models") or payload.get("result", {}).get("models") or []
-        result["checks"] = [{"check": c.get("check"), "passed": c.get("passed"), "evidence": (c.get("evidence") or "")[:200]}
-                            for m in models for c in m.get("checks", [])]
+        result["checks"] = [{"check": c.get("check"), "passed": c.get("passed"), "evidence": (c.get("evidence") or "")[:200],
+                             **({"verdict": c["verdict"]} if c.get("verdict") else {})} for m in models for c in m.get("checks", [])]
         result["methods"] = [{k: m.get(k) for k in ("method", "acceptance_mean", "acceptance_histogram", "identical_runs")}
                              for model in models for m in model.get("methods", [])]
     return result
@@ -379,6 +432,8 @@ def main() -> int:
     parser.add_argument("--max-rss-gb", type=float, default=20.0, help="stop the verify past this resident memory (GiB)")
     parser.add_argument("--verify-args", default="", help='more arguments for verify, one string: "--prompts 1"')
     parser.add_argument("--build-only", action="store_true", help="only make (or find) the target folder")
+    parser.add_argument("--judged", action="store_true",
+                        help="also verify with a real-shaped drafter (unscripted): acceptance judged against the run's own reference")
     parser.add_argument("--profile", action="store_true", help="where the verify's time and memory go, step by step")
     parser.add_argument("--profile-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="one JSON object")
@@ -396,15 +451,25 @@ def main() -> int:
                 summary["profile"] = run_profile(tree, target, args.time_limit, args.max_rss_gb)
             else:
                 summary["verify"] = run_verify(tree, target, args.time_limit, args.max_rss_gb, shlex.split(args.verify_args))
+            if args.judged:
+                draft = Path(tmp) / "draft"
+                summary["drafter"] = build_drafter(draft, tree, info, args.seed)
+                summary["judged"] = run_verify(tree, target, args.time_limit, args.max_rss_gb, shlex.split(args.verify_args), draft)
     if args.json:
         print(json.dumps(summary, indent=1))
         return 0
     m = summary["model"]
     print(f"target {target} ({'built now in ' + str(m['build_seconds']) + ' s' if built else 'cached'}): {m['layers']} layers, "
           f"hidden {m['hidden_size']}, vocab {m['vocab']:,}, {m['parameters'] / 1e9:.2f} B parameters, {m['bytes'] / 1e9:.2f} GB bf16")
-    v = summary.get("verify")
-    if v:
-        print(f"verify: exit {v['exit_code']}, wall {v['wall_s']:.0f} s, CPU {v['cpu_s']:.0f} s, peak RSS {v['peak_rss_gib']:.2f} GiB "
+    for key in ("verify", "judged"):
+        v = summary.get(key)
+        if not v:
+            continue
+        if key == "judged":
+            d = summary["drafter"]
+            print(f"judged: a {d['layers']}-layer drafter of the real sizes, block {d['block_size']}, {d['parameters'] / 1e9:.2f} B "
+                  f"parameters (built in {d['build_seconds']} s)")
+        print(f"{key}: exit {v['exit_code']}, wall {v['wall_s']:.0f} s, CPU {v['cpu_s']:.0f} s, peak RSS {v['peak_rss_gib']:.2f} GiB "
               f"(whole tree sampled: {v['sampled_tree_peak_gib']:.2f} GiB)")
         for line in (v["stopped"], v["error"]):
             if line:

@@ -224,7 +224,8 @@ def test_the_code_shape_only_control_fails_soon_after_its_first_partial_acceptan
         run = method["runs"][0]
         assert not run["logits"]["passed"], (method["method"], run["logits"])
         assert run["first_partial"] is not None and abs(run["logits"]["first_over"] - run["first_partial"]) <= 2, run
-    assert all(not c["passed"] for c in model["checks"] if c["check"].startswith("lossless"))
+    # (a mode run's row, `lossless: ddtree_tb4 [block_size=1]`, decodes without a draft: no rollback to miss)
+    assert all(not c["passed"] for c in model["checks"] if c["check"].startswith("lossless") and "[" not in c["check"])
 
 
 def test_an_inconclusive_run_is_never_a_pass_and_names_the_float32_command():

@@ -275,7 +275,7 @@ def test_select_runs_what_it_names_on_any_tree(tmp_path):
 def test_verify_exclude_reaches_the_decoder_search_from_the_cli_and_the_config(tmp_path, monkeypatch):
     """`verify --exclude` (and `exclude` in [tool.ddpatch]) is the `exclude` option the runner hands `decoders.plan`."""
     asked = []
-    monkeypatch.setattr(decoders, "plan", lambda tree, entries=None, exclude=(): asked.append(exclude) or {"decoders": []})
+    monkeypatch.setattr(decoders, "plan", lambda tree, entries=None, exclude=(), skip=None: asked.append(exclude) or {"decoders": []})
     src = tmp_path / "fork"
     for folder in ("new", "old"):
         shutil.copytree(VENDORED / "dflash", src / folder, ignore=shutil.ignore_patterns("__pycache__"))
@@ -289,7 +289,9 @@ def test_verify_exclude_reaches_the_decoder_search_from_the_cli_and_the_config(t
 
 def test_verify_refuses_in_the_parent_before_a_child_starts(tmp_path, monkeypatch):
     started = []
-    monkeypatch.setattr("patcher.verify.process.runner.run_verify", lambda *a, **k: started.append(a))
+    from patcher.results import Outcome
+
+    monkeypatch.setattr("patcher.verify.process.runner.run_verify", lambda *a, **k: started.append(a) or Outcome({"checks": []}, 0.0))
     tree = variant("not-a-decoder", tmp_path)
     with pytest.raises(api.VerifyError, match="no DDTree/DFlash decoder found in"):
         api.verify(tree)

@@ -105,8 +105,11 @@ def test_a_sigkill_names_the_signal_memory_and_what_to_try(dies):
 
 
 def test_memory_advice_follows_the_run(dies, tmp_path):
-    target = tmp_path / "target"
+    target = tmp_path / "target"  # a folder the parent takes for a model (it checks the folder before a child starts)
     target.mkdir()
+    (target / "config.json").write_text('{"architectures": ["Qwen3_5ForCausalLM"]}')
+    header = b'{"__metadata__":{}}'
+    (target / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     message = dies("SIGKILL", target=str(target), scripted_draft=True, dtype="float32", prompts=1)
     assert "--dtype bfloat16" in message and "--device-map auto" in message, message
     assert "--prompts 1" not in message, message  # it already ran one

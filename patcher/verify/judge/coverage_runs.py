@@ -151,7 +151,7 @@ def mode_runs(cfg: dict, loaded, target, drafts: dict, mask_token_id, prompts, m
     rows, for the model ``model`` (its tolerance and near-tie ε)."""
     collector = _STATE["collector"]
     budget = int(cfg.get("mode_runs", MODE_RUNS))
-    if collector is None or not prompts or model.get("sampling"):
+    if collector is None or not prompts:  # a sampled-only run (--temperature) gets them too: mode runs decode greedily
         return []
     tree, rows = Tree(Path(cfg["tree"])), []
     deadline = time.perf_counter() + float(cfg.get("mode_seconds", MODE_SECONDS))

@@ -131,6 +131,9 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
 
 #: children one verify runs at most side by side (each loads its own model)
 MAX_CHILDREN = 8
+#: a child's own cost (importing torch, loading its model, the reference decodes and calibration) pays off only over
+#: several decoders: a model's decoders are chunked only where each child gets at least this many
+DECODERS_PER_CHILD = 4
 
 
 def split(cfg: dict, cores: int | None = None) -> list[dict]:
@@ -146,7 +149,7 @@ def split(cfg: dict, cores: int | None = None) -> list[dict]:
     if not groups:
         return [cfg]
     keys = [[d["file"], d["qualname"]] for d in cfg["plan"]["decoders"]]
-    chunks = max(1, min(len(keys), cores // len(groups)))
+    chunks = max(1, min(len(keys) // DECODERS_PER_CHILD, cores // len(groups)))
     if chunks == 1:
         return groups
     return [{**g, "run_only": keys[i::chunks]} for g in groups for i in range(chunks)]

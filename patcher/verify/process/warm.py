@@ -89,8 +89,13 @@ def die_with_parent(sig: int) -> bool:
         return False
 
 
+#: ...but not these: torch sets ``TORCHINDUCTOR_CACHE_DIR`` itself the first time anything imports ``torch._inductor``
+#: (a bfloat16 model's kernels can), naming a cache folder; a caller that did so is no other environment
+SET_BY_TORCH = ("TORCHINDUCTOR_CACHE_DIR",)
+
+
 def import_time_env(env: dict) -> dict:
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k not in SET_BY_TORCH}
 
 
 def preload(sibling) -> None:
