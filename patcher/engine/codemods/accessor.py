@@ -29,7 +29,7 @@ import re
 
 import libcst as cst
 
-from .base import APPLIED, FIXED_UPSTREAM, PATCHED, Example, Step, code, dotted
+from .base import APPLIED, FIXED_UPSTREAM, PATCHED, Example, Step, code, cst_nodes, dotted
 
 
 class UseAccessor(Step):
@@ -85,7 +85,7 @@ class UseAccessor(Step):
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
         self._outer.append(self._methods)
         self._methods, bound = set(), set()
-        assigns = [(dotted(t.target), stmt.value) for stmt in _walk(node.body, cst.Assign) for t in stmt.targets]
+        assigns = [(dotted(t.target), stmt.value) for stmt in cst_nodes(node.body, cst.Assign) for t in stmt.targets]
         for name, value in assigns:
             if name and self._method(value):
                 self._methods.add(name)
@@ -93,7 +93,7 @@ class UseAccessor(Step):
             if name and self._asks(value, bound):
                 bound.add(name)
         for root in self._fallbacks(node.body, bound):
-            self._fallback |= {id(a) for a in _walk(root, cst.Attribute)}
+            self._fallback |= {id(a) for a in cst_nodes(root, cst.Attribute)}
         return super().visit_FunctionDef(node)
 
     def leave_FunctionDef(self, original_node: cst.FunctionDef, updated_node: cst.FunctionDef) -> cst.CSTNode:
@@ -122,16 +122,16 @@ class UseAccessor(Step):
     def _fallbacks(self, body: cst.CSTNode, bound: set[str]) -> list[cst.CSTNode]:
         """The parts of ``body`` that run only when the accessor's answer (a name in ``bound``) is None."""
         out: list[cst.CSTNode] = []
-        for node in _walk(body, cst.If):
+        for node in cst_nodes(body, cst.If):
             nothing = _none_test(node.test, bound)
             if nothing is True:
                 out.append(node.body)
             elif nothing is False and node.orelse is not None:
                 out.append(node.orelse)
-        for node in _walk(body, cst.BooleanOperation):
+        for node in cst_nodes(body, cst.BooleanOperation):
             if isinstance(node.operator, cst.Or) and self._asks(node.left, bound):
                 out.append(node.right)
-        for node in _walk(body, cst.IfExp):
+        for node in cst_nodes(body, cst.IfExp):
             nothing = _none_test(node.test, bound)
             checks = self.params["accessor"] in code(node.test) or any(n in self._methods for n in _names(node.test))
             if nothing is True:
@@ -223,20 +223,6 @@ class UseAccessor(Step):
 
 
 
-def _walk(node: cst.CSTNode, kind: type) -> list:
-    """The nodes of ``kind`` inside ``node`` (nested functions and classes included: they are read on their own too)."""
-    found: list = []
-
-    class _V(cst.CSTVisitor):
-        def on_visit(self, n: cst.CSTNode) -> bool:
-            if isinstance(n, kind):
-                found.append(n)
-            return True
-
-    node.visit(_V())
-    return found
-
-
 def _none_test(test: cst.BaseExpression, bound: set[str]) -> bool | None:
     """True for ``v is None`` / ``not v``, False for ``v is not None`` / ``v``, with ``v`` in ``bound``; else None."""
     if isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not) and dotted(test.expression) in bound:
@@ -251,4 +237,4 @@ def _none_test(test: cst.BaseExpression, bound: set[str]) -> bool | None:
 
 
 def _names(node: cst.CSTNode) -> list[str]:
-    return [n.value for n in _walk(node, cst.Name)]
+    return [n.value for n in cst_nodes(node, cst.Name)]

@@ -283,6 +283,21 @@ def ast_dotted(node: ast.expr) -> str | None:
     return None
 
 
+def cst_nodes(node: cst.CSTNode, *kinds: type) -> list:
+    """The LibCST nodes of the given kinds inside ``node``, in visiting order (nested functions and classes included:
+    a step reads them on their own too)."""
+    found: list = []
+
+    class _Collect(cst.CSTVisitor):
+        def on_visit(self, n: cst.CSTNode) -> bool:
+            if isinstance(n, kinds):
+                found.append(n)
+            return True
+
+    node.visit(_Collect())
+    return found
+
+
 def ast_nodes(tree: ast.Module, *kinds: type) -> list:
     """The nodes of ``tree`` of the given kinds, for ``may_match``.
 

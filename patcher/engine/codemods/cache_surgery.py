@@ -42,9 +42,9 @@ import ast
 
 import libcst as cst
 
-from .base import (APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, FunctionStack, Step, ast_dotted, ast_nodes, code, dotted,
+from .base import (APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, FunctionStack, Step, ast_dotted, ast_nodes, code, cst_nodes, dotted,
                    is_runtime_call, runtime_call)
-from .cache_surgery_shapes import calls_in, contains, in_place, loop_head, mutates, peel, prefix_stop, same
+from .cache_surgery_shapes import contains, in_place, loop_head, mutates, peel, prefix_stop, same
 from .flow import CACHE, DRAFT_CACHE, TARGET_CACHE, ModuleFlow, is_role, names_in
 
 KV = ("keys", "values")
@@ -214,7 +214,7 @@ class CacheSurgery(FunctionStack, Step):
     def _hasattr_guard(self, expr: cst.Attribute) -> bool:
         want = (dotted(expr.value), expr.attr.value)
         for node in self._ifs:
-            for call in (c for c in calls_in(node.test) if dotted(c.func) == "hasattr" and len(c.args) == 2):
+            for call in (c for c in cst_nodes(node.test, cst.Call) if dotted(c.func) == "hasattr" and len(c.args) == 2):
                 arg = call.args[1].value
                 if isinstance(arg, cst.SimpleString) and (dotted(call.args[0].value), arg.evaluated_value) == want:
                     return True

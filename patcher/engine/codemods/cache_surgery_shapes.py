@@ -84,12 +84,3 @@ def contains(outer: cst.CSTNode, node: cst.CSTNode) -> bool:
     return bool(found)
 
 
-def calls_in(node: cst.CSTNode) -> list[cst.Call]:
-    found: list[cst.Call] = []
-
-    class _V(cst.CSTVisitor):
-        def visit_Call(self, call: cst.Call) -> None:
-            found.append(call)
-
-    node.visit(_V())
-    return found

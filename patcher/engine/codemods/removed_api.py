@@ -40,7 +40,7 @@ from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
 from .base import (APPLIED, CACHE_KEYWORDS, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, FunctionStack, Step, ast_dotted,
-                   ast_nodes, code, dotted, is_runtime_call, runtime_call)
+                   ast_nodes, code, cst_nodes, dotted, is_runtime_call, runtime_call)
 from .flow import CACHE, DRAFT_CACHE, DRAFTER, TARGET_CACHE, ModuleFlow, is_role
 
 #: method -> what transformers 5.x has instead (None: rewritten, see ``leave_Call``)
@@ -167,7 +167,7 @@ class RemovedApi(FunctionStack, Step):
         stmts = list(node.body)
         for i, stmt in enumerate(stmts):
             simple = isinstance(stmt, cst.SimpleStatementLine) and "from_legacy_cache" in code(stmt)
-            for call in _calls(stmt) if simple else ():
+            for call in cst_nodes(stmt, cst.Call) if simple else ():
                 if self._from_legacy(call) and len(call.args) == 1 and not call.args[0].keyword:
                     self._round_trip(fn, stmts[:i], call)
 
@@ -210,7 +210,7 @@ class RemovedApi(FunctionStack, Step):
     def visit_If(self, node: cst.If) -> None:
         self._leave_body(node)  # an `elif` is the orelse of the `if` before it
         guards = set()
-        for call in _calls(node.test):
+        for call in cst_nodes(node.test, cst.Call):
             if dotted(call.func) == "hasattr" and len(call.args) == 2 and isinstance(call.args[1].value, cst.SimpleString):
                 guards.add((dotted(call.args[0].value), call.args[1].value.evaluated_value))
         self._guards.append({"guards": guards, "orelse": id(node.orelse) if node.orelse is not None else None})
@@ -364,21 +364,10 @@ class RemovedApi(FunctionStack, Step):
         return runtime_call(self, "legacy_layer", [cst.Arg(updated_node.value), cst.Arg(index)])
 
 
-def _calls(node: cst.CSTNode) -> list[cst.Call]:
-    found: list[cst.Call] = []
-
-    class _V(cst.CSTVisitor):
-        def visit_Call(self, call: cst.Call) -> None:
-            found.append(call)
-
-    node.visit(_V())
-    return found
-
-
 def _reads(fn: cst.FunctionDef, name: str) -> int:
     """How often ``fn`` reads ``name`` (a ``Name`` node that is not an assignment's target)."""
-    targets = {id(t.target) for a in _nodes(fn, cst.Assign) for t in a.targets}
-    return sum(1 for n in _nodes(fn, cst.Name) if n.value == name and id(n) not in targets)
+    targets = {id(t.target) for a in cst_nodes(fn, cst.Assign) for t in a.targets}
+    return sum(1 for n in cst_nodes(fn, cst.Name) if n.value == name and id(n) not in targets)
 
 
 def _clones(comp: cst.GeneratorExp | cst.ListComp) -> bool:
@@ -409,14 +398,3 @@ def _cloned(expr: cst.BaseExpression) -> str | None:
     return dotted(expr) if isinstance(expr, cst.Name) else None
 
 
-def _nodes(node: cst.CSTNode, kind: type) -> list:
-    found: list = []
-
-    class _V(cst.CSTVisitor):
-        def on_visit(self, n: cst.CSTNode) -> bool:
-            if isinstance(n, kind):
-                found.append(n)
-            return True
-
-    node.visit(_V())
-    return found
