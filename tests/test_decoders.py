@@ -225,10 +225,15 @@ def test_a_decoder_is_never_run_with_a_drafter_class_that_lacks_what_it_calls():
     def dflash_generate(model, target, input_ids, max_new_tokens):
         return model.forward(input_ids, input_ids)
 
+    def newest_generate(model, target, input_ids, max_new_tokens):  # DFlash's newest: it branches on the class
+        if isinstance(model, DFlash2DraftModel):
+            return model.propose(input_ids)
+        return model.forward(input_ids, input_ids)
+
     classes = {"DFlashDraftModel": DFlashDraftModel, "DFlash2DraftModel": DFlash2DraftModel}
     assert unfit_classes(dflash2_generate, classes) == {
         "DFlashDraftModel": "it calls model.propose(), which only DFlash2DraftModel defines"}
-    assert unfit_classes(dflash_generate, classes) == {}
+    assert unfit_classes(dflash_generate, classes) == {} and unfit_classes(newest_generate, classes) == {}
 
 
 def test_a_drafter_class_the_verifier_cannot_build_fails_naming_what_it_lacks():

@@ -148,6 +148,11 @@ def unfit_classes(fn, classes: dict) -> dict[str, str]:
         return {}
     if param is None:
         return {}
+    checks = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+              and n.func.id in ("isinstance", "hasattr", "getattr") and n.args and isinstance(n.args[0], ast.Name)
+              and n.args[0].id == param]
+    if checks:  # it asks what its drafter is (DFlash's newest: `if isinstance(model, DFlash2DraftModel)`): it runs with each
+        return {}
     called = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
               and isinstance(n.func.value, ast.Name) and n.func.value.id == param}
     specific = {a for a in called if any(callable(getattr(c, a, None)) for c in classes.values())
