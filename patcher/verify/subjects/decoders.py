@@ -37,6 +37,8 @@ SKIP_PARTS = ("tests", "test", "build", "__pycache__", "_ddpatch_runtime", "site
 #: what upstream calls its decoders: the first chain and the first tree decoder with these names are
 #: ``dflash`` and ``ddtree`` in the report, as they always were
 CANONICAL = {"dflash": ("dflash_generate", "_dflash_generate"), "ddtree": ("ddtree_generate",)}
+#: the files upstream's layouts keep those decoders in
+UPSTREAM_FILES = ("dflash/model.py", "dflash/benchmark.py", "dflash.py", "ddtree.py", "benchmark.py")
 LOOKED_FOR = ("looked for functions that run a model with a cache (past_key_values= or cache=) round after round in a loop, "
               "as dflash_generate and ddtree_generate do, and for the functions that call them")
 
@@ -273,7 +275,9 @@ def _label(decoders: list[Decoder], info: dict) -> None:
     taken: set[str] = set()
     for canonical, names in CANONICAL.items():
         for name in names:
-            match = next((d for d in decoders if not d.label and d.cls is None and d.function == name), None)
+            candidates = [d for d in decoders if not d.label and d.cls is None and d.function == name]
+            # upstream's own file first (a fork's alpha_1/ copy sorts before dflash/ and is not the one its users mean)
+            match = next((d for d in candidates if d.file in UPSTREAM_FILES), None) or next(iter(candidates), None)
             if match is not None:
                 match.label = canonical
                 taken.add(canonical)
