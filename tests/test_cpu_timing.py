@@ -79,7 +79,8 @@ def patched(tmp_path, monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the unpatched failure is the CPU one")
 def test_unpatched_the_timer_fails_on_cpu_and_patched_it_times_on_the_host_clock(patched, tmp_path):
     src = _load(tmp_path / "src" / "dflash.py", "unpatched_dflash")
-    with pytest.raises(RuntimeError, match="dummy base class Event"):
+    # a CPU build of torch fails at the Event; a CUDA build on a machine without a GPU fails one call earlier
+    with pytest.raises(RuntimeError, match="dummy base class Event|invalid argument to reset_peak_memory_stats"):
         src._stage(lambda: None)
     out = _load(patched / "dflash.py", "patched_dflash")
     value, seconds, peak = out._stage(lambda: sum(range(20000)))

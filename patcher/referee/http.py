@@ -107,7 +107,11 @@ def call(base: str, path: str, body: Any = None, *, timeout_s: float = PROBE_TIM
             raise EngineAnswerError(f"{where} answered {int(declared)} bytes, over the {max_bytes}-byte bound")
         chunks, size = [], 0
         while True:
-            sock.settimeout(left())
+            remaining = left()  # past the deadline: TimeoutError, below
+            try:
+                sock.settimeout(remaining)
+            except OSError:  # Python 3.13+ closes the connection's handle on a Connection: close answer;
+                pass  # the response reads through its own, under the timeout set before the request
             chunk = response.read1(65536) if hasattr(response, "read1") else response.read(65536)
             if not chunk:
                 break
