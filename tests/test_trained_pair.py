@@ -291,13 +291,17 @@ def test_a_random_drafter_of_the_same_shape_does_not_reach_it(tree, tmp_path):
 def test_the_training_script_smoke_run(tmp_path):
     out = tmp_path / "pair"
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train_tiny_pair.py"), "--steps", "5", "--distill", "16",
-                           "--corpus-mb", "0.3", "--threads", "1", "--out", str(out)],
+                           "--corpus-mb", "0.3", "--threads", "1", "--out", str(out),
+                           "--floor-new", "24", "--floor-budgets", "4"],  # the floor's own cost is most of the run
                           capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     from patcher.verify.models import load as models
 
     meta = json.loads((out / "metadata.json").read_text())
     assert meta["target"]["steps"] == 5 and meta["draft"]["steps"] == 5 and len(meta["held_out_prompts"]) == 8
+    floor = json.loads((out / acceptance.FLOOR_FILE).read_text())
+    assert floor["settings"]["max_new_tokens"] == 24 and floor["settings"]["budgets"] == [4]
+    assert floor["command"].endswith("--floor-new 24 --floor-budgets 4") and len(floor["prompts"]) == 8
     cfg = {"target": str(out / "target"), "draft": str(out / "draft"), "dtype": "float32", "block_size": 8}
     target, drafts, _, _ = models.load_real(cfg, {"DFlashDraftModel": draft_class()}, "DFlashDraftModel")
     models.check_fit(target, drafts["DFlashDraftModel"])

@@ -448,8 +448,10 @@ def write_floor(args) -> dict:
     data = acceptance.measure(
         target, draft, out / "target", out / "draft", [tok(p).input_ids for p in texts], texts,
         block_size=meta["draft"]["block_size"],
-        budgets=FLOOR_BUDGETS, max_new_tokens=FLOOR_NEW, stop_ids=[tok.eos_token_id],
-        command="python tools/train_tiny_pair.py --floor" + (f" --out {args.out}" if Path(args.out) != DEFAULT_OUT else ""),
+        budgets=args.floor_budgets, max_new_tokens=args.floor_new, stop_ids=[tok.eos_token_id],
+        command="python tools/train_tiny_pair.py --floor" + (f" --out {args.out}" if Path(args.out) != DEFAULT_OUT else "")
+        + (f" --floor-new {args.floor_new}" if args.floor_new != FLOOR_NEW else "")
+        + (f" --floor-budgets {','.join(map(str, args.floor_budgets))}" if args.floor_budgets != FLOOR_BUDGETS else ""),
         progress=lambda msg: print(f"[{time.time() - t0:6.0f}s] {msg}", flush=True))
     data["seconds"], data["cpu_seconds"] = round(time.time() - t0, 1), round(time.process_time() - c0, 1)
     (out / acceptance.FLOOR_FILE).write_text(json.dumps(data, separators=(",", ":")) + "\n")
@@ -484,6 +486,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-floor", action="store_true", help="train without writing acceptance_floor.json")
     ap.add_argument("--new", type=int, default=64, help="--measure: new tokens per prompt")
     ap.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32])
+    ap.add_argument("--floor-new", type=int, default=FLOOR_NEW, help="the floor's new tokens per prompt (the shipped pair: %(default)s)")
+    ap.add_argument("--floor-budgets", type=lambda s: [int(x) for x in s.split(",")], default=FLOOR_BUDGETS,
+                    help="the floor's tree budgets (the shipped pair: 4,8,16,32)")
     args = ap.parse_args(argv)
     if args.measure:
         figures = measure(args)
