@@ -434,6 +434,7 @@ def main() -> int:
     parser.add_argument("--build-only", action="store_true", help="only make (or find) the target folder")
     parser.add_argument("--judged", action="store_true",
                         help="also verify with a real-shaped drafter (unscripted): acceptance judged against the run's own reference")
+    parser.add_argument("--judged-only", action="store_true", help="with --judged: only the judged run, not the scripted one")
     parser.add_argument("--profile", action="store_true", help="where the verify's time and memory go, step by step")
     parser.add_argument("--profile-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="one JSON object")
@@ -449,7 +450,7 @@ def main() -> int:
             tree = args.tree or patched_tree(Path(tmp) / "ddtree")
             if args.profile:
                 summary["profile"] = run_profile(tree, target, args.time_limit, args.max_rss_gb)
-            else:
+            elif not (args.judged and args.judged_only):
                 summary["verify"] = run_verify(tree, target, args.time_limit, args.max_rss_gb, shlex.split(args.verify_args))
             if args.judged:
                 draft = Path(tmp) / "draft"
