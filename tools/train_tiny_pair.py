@@ -485,9 +485,12 @@ def main(argv=None) -> int:
     ap.add_argument("--target-layer-ids", default=None, help="the drafter's target layers, comma-separated (default 1,4,6)")
     ap.add_argument("--no-floor", action="store_true", help="train without writing acceptance_floor.json")
     ap.add_argument("--new", type=int, default=64, help="--measure: new tokens per prompt")
-    ap.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32])
+    def ints(text: str) -> list[int]:
+        return [int(x) for x in text.split(",")]
+
+    ap.add_argument("--budgets", type=ints, default=[8, 16, 32])
     ap.add_argument("--floor-new", type=int, default=FLOOR_NEW, help="the floor's new tokens per prompt (the shipped pair: %(default)s)")
-    ap.add_argument("--floor-budgets", type=lambda s: [int(x) for x in s.split(",")], default=FLOOR_BUDGETS,
+    ap.add_argument("--floor-budgets", type=ints, default=FLOOR_BUDGETS,
                     help="the floor's tree budgets (the shipped pair: 4,8,16,32)")
     args = ap.parse_args(argv)
     if args.measure:

@@ -123,12 +123,16 @@ class CacheSurgery(FunctionStack, Step):
             return True
         if any(ast_dotted(c.func) == f"_ddpatch_runtime.{params['helper']}" for c in ast_nodes(tree, ast.Call)):
             return True  # a rewrite of this step, said already-applied
-        named = any(isinstance(a, ast.Constant) and a.value in KV for c in ast_nodes(tree, ast.Call) if ast_dotted(c.func) == "getattr"
-                    for a in c.args[1:2])
+        if not any(a.attr == "layers" for a in attrs):
+            return False
+        calls = ast_nodes(tree, ast.Call)
+        if any(ast_dotted(c.func) == "getattr" and any(isinstance(a, ast.Constant) and a.value in KV for a in c.args[1:2])
+               for c in calls):
+            return True
         # a layer's keys are a tensor, never called: `x.keys()` / `x.values()` (a dict's, in every modeling file)
         # is no site, and letting it through sent most of transformers to LibCST and a data-flow pass
-        called = {id(c.func) for c in ast_nodes(tree, ast.Call)}
-        return any(a.attr == "layers" for a in attrs) and (named or any(a.attr in KV and id(a) not in called for a in attrs))
+        called = {id(c.func) for c in calls}
+        return any(a.attr in KV and id(a) not in called for a in attrs)
 
     def __init__(self, context, **params) -> None:
         super().__init__(context, **params)

@@ -216,13 +216,8 @@ def _committed(call: dict, final: list) -> list[int]:
     call's inputs: all earlier inputs for a chain, its ancestors from the 4D mask for a tree)."""
     ids, pos, visible = call["ids"], call["positions"], call["visible"]
     ok = [0 <= p < len(final) and t == final[p] for t, p in zip(ids, pos)]
-    if visible is None:  # a chain: every earlier input
-        out = []
-        for i, good in enumerate(ok):
-            if not good:
-                break
-            out.append(i)
-        return out
+    if visible is None:  # a chain: every input up to the first one off the final sequence
+        return list(range(next((i for i, good in enumerate(ok) if not good), len(ok))))
     # a tree: no input it sees is off the final sequence (one tensor operation: a 1,025-node tree is 1M pairs)
     import torch
 
