@@ -5,6 +5,7 @@
     python benchmarks/bench_real_shapes.py --vocab 8192 --layers 4 --json
     python benchmarks/bench_real_shapes.py --build-only             # only make (or find) the target folder
     python benchmarks/bench_real_shapes.py --vocab 32768 --profile  # where verify's time and memory go
+    python benchmarks/bench_real_shapes.py --judged --judged-only   # acceptance judged, with a drafter that predicts
 
 The target is a Qwen3.5-architecture hybrid (``Qwen3_5ForCausalLM``) with Qwen3.6-27B's text config
 (``bench_rollback.QWEN3_6_27B``: hidden 5,120, MLP 17,408, 24 query / 4 KV heads of 256 with the output
@@ -28,6 +29,14 @@ and its verdict or error line. While it runs the tree's resident memory is sampl
 run is stopped (SIGKILL to its process group) past ``--max-rss-gb`` or ``--time-limit``, so that a
 hopeless run on a shared machine ends with figures instead of taking the machine with it.
 
+``--judged`` also verifies with a real-shaped DFlash drafter (2 layers of the target's sizes, block 16), unscripted,
+so that every method's acceptance is judged against the run's own reference (``JUDGED``: 2 prompts x 48 tokens,
+budgets 8 and 16, greedy). A drafter with random weights predicts nothing and its acceptance can only be called
+inconclusive, and none can be trained here, so by default the judged pair is ``real_shapes_copy_pair.py``'s: the same
+classes and sizes, a target whose greedy text repeats its current token for a few steps, and a drafter whose weights
+are set by hand to propose the anchor token at every block position (kept in its own folder, ``...-copy-...``).
+``--judged-drafter random`` judges the random drafter on the scripted run's target instead.
+
 ``--profile`` runs the same verify in one process of its own (the verifier's ``worker.run``, imported as
 ``patcher.verify.process.worker``, on the same settings) with timing wrappers on the verifier's named steps
 (``PROFILED``; a name this checkout lacks is listed as absent) and hooks on the target, and prints per
@@ -47,32 +56,17 @@ import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-REAL_VOCAB = 248_320
-#: Qwen3.6-27B's text config, as in bench_rollback.py (Qwen/Qwen3.6-27B config.json, transcribed there).
-QWEN3_6_27B = dict(hidden_size=5120, intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
-                   linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
-                   linear_conv_kernel_dim=4, full_attention_interval=4)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_shapes_build import DRAFT_BLOCK, DRAFT_LAYERS, QWEN3_6_27B, REAL_VOCAB, ROOT, stream_init, text_config  # noqa: E402
+
 MARKER = "bench_real_shapes.json"
-SAFETENSORS_DTYPE = {"bfloat16": "BF16", "float32": "F32", "float16": "F16"}
 
 
 # ----------------------------------------------------------------------------- the target folder
-def text_config(vocab: int, layers: int):
-    from transformers import Qwen3_5TextConfig
-
-    dims = dict(QWEN3_6_27B)
-    interval = dims.pop("full_attention_interval")
-    layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
-    return Qwen3_5TextConfig(vocab_size=vocab, num_hidden_layers=layers, layer_types=layer_types, tie_word_embeddings=False,
-                             max_position_embeddings=4096, **dims)
-
-
-def folder_for(root: Path, vocab: int, layers: int, seed: int) -> Path:
-    return root / f"qwen3_6-27b-shapes-L{layers}-V{vocab}-s{seed}"
+def folder_for(root: Path, vocab: int, layers: int, seed: int, kind: str = "random") -> Path:
+    return root / f"qwen3_6-27b-{'shapes' if kind == 'random' else kind}-L{layers}-V{vocab}-s{seed}"
 
 
 def build_target(dest: Path, vocab: int, layers: int, seed: int) -> dict:
@@ -87,46 +81,12 @@ def build_target(dest: Path, vocab: int, layers: int, seed: int) -> dict:
     model.to(torch.bfloat16)  # on the meta device: nothing is allocated
     model.config.architectures = [type(model).__name__]
     model.config.dtype = torch.bfloat16
-    offset = _stream_init(model, dest, seed)
+    offset = stream_init(model, dest, seed)
     model.config.save_pretrained(dest)
     params = offset // 2
     return {"vocab": vocab, "layers": layers, "seed": seed, "parameters": params, "bytes": offset,
             "build_seconds": round(time.perf_counter() - start, 1), **QWEN3_6_27B}
 
-
-def _stream_init(model, dest: Path, seed: int) -> int:
-    """Initialise ``model`` (on the meta device, bf16) one module at a time by its own rules and stream it into
-    ``dest/model.safetensors``: never the whole model in memory. Returns the bytes written."""
-    import torch
-
-    owners = [(name, module) for name, module in model.named_modules() if any(True for _ in module.parameters(recurse=False))]
-    entries, offset = {}, 0
-    for name, module in owners:
-        for pname, p in module.named_parameters(recurse=False):
-            size = p.numel() * p.element_size()
-            entries[f"{name}.{pname}" if name else pname] = {"dtype": SAFETENSORS_DTYPE[str(p.dtype).replace("torch.", "")],
-                                                             "shape": list(p.shape), "data_offsets": [offset, offset + size]}
-            offset += size
-    header = json.dumps({"__metadata__": {"format": "pt"}, **entries}, separators=(",", ":")).encode()
-    header += b" " * (-len(header) % 8)
-    dest.mkdir(parents=True, exist_ok=True)
-    with open(dest / "model.safetensors", "wb") as f:
-        f.write(len(header).to_bytes(8, "little"))
-        f.write(header)
-        for name, module in owners:
-            module.to_empty(device="cpu", recurse=False)
-            torch.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            with torch.no_grad():
-                model._init_weights(module)
-            for _, p in module.named_parameters(recurse=False):
-                p.data.contiguous().view(torch.uint8).numpy().tofile(f)
-            module.to_empty(device="meta", recurse=False)
-    return offset
-
-
-#: a DFlash drafter for Qwen3.6-27B's sizes (as the released drafters are shaped: the target's hidden, MLP and attention
-#: sizes, a block of 16, its context read at a few of the target's layers)
-DRAFT_LAYERS, DRAFT_BLOCK = 2, 16
 
 
 def build_drafter(dest: Path, tree: Path, target_info: dict, seed: int) -> dict:
@@ -157,20 +117,36 @@ def build_drafter(dest: Path, tree: Path, target_info: dict, seed: int) -> dict:
         model = cls(cfg)
     model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
-    size = _stream_init(model, dest, seed + 1)
+    size = stream_init(model, dest, seed + 1)
     model.config.save_pretrained(dest)
     return {"layers": DRAFT_LAYERS, "block_size": DRAFT_BLOCK, "bytes": size, "parameters": size // 2,
             "build_seconds": round(time.perf_counter() - start, 1)}
 
 
-def target_folder(root: Path, vocab: int, layers: int, seed: int) -> tuple[Path, dict, bool]:
-    """The target folder for these sizes, built if it is not there yet: (folder, what it holds, built now)."""
-    final = folder_for(root, vocab, layers, seed)
+def copy_constants_match(info: dict) -> bool:
+    """Whether a kept copy-pair target was built with ``real_shapes_copy_pair``'s present constants."""
+    import real_shapes_copy_pair as pair
+
+    wanted = {"gain": pair.GAIN, "penalty": pair.REPEAT_PENALTY, "row_spread": pair.ROW_SPREAD, "recency": pair.RECENCY}
+    return all(info.get(k) == v for k, v in wanted.items())
+
+
+def target_folder(root: Path, vocab: int, layers: int, seed: int, kind: str = "random") -> tuple[Path, dict, bool]:
+    """The target folder for these sizes, built if it is not there yet: (folder, what it holds, built now). ``kind``
+    "copy": the target of ``real_shapes_copy_pair`` (its drafter predicts), else random weights."""
+    final = folder_for(root, vocab, layers, seed, kind)
     if (final / MARKER).is_file():
-        return final, json.loads((final / MARKER).read_text()), False
+        info = json.loads((final / MARKER).read_text())
+        if kind != "copy" or copy_constants_match(info):
+            return final, info, False
     root.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=final.name + ".partial-", dir=root))
-    info = build_target(partial, vocab, layers, seed)
+    if kind == "copy":
+        from real_shapes_copy_pair import GAIN, build_copy_target
+
+        info = build_copy_target(partial, vocab, layers, seed, GAIN)
+    else:
+        info = build_target(partial, vocab, layers, seed)
     (partial / MARKER).write_text(json.dumps(info, indent=1))
     if final.exists():  # an incomplete folder from a run that died
         import shutil
@@ -183,14 +159,16 @@ def target_folder(root: Path, vocab: int, layers: int, seed: int) -> tuple[Path,
 # ----------------------------------------------------------------------------- the profile
 #: (module of patcher.verify, attribute path): the steps ``--profile`` times.
 PROFILED = (
-    ("models", "load_real"), ("models", "greedy"), ("models", "multi_token_consistent"),
-    ("checks", "never_emitted"), ("checks", "drafter_calibration"), ("checks", "judge_drafter"),
-    ("calibration", "calibrate"), ("binding", "call_generate"),
-    ("oracle", "ScriptedDraft.__init__"), ("oracle", "ScriptedDraft.__call__"), ("oracle", "ScriptedDraft._extend"),
-    ("oracle", "ScriptedDraft._target_rows"), ("oracle", "reference_logits"), ("oracle", "judge_logits"),
-    ("drafter_oracle", "calibrate"), ("drafter_oracle", "judge"), ("drafter_oracle", "Reference.__init__"),
-    ("drafter_oracle", "reference_output"), ("drafter_oracle", "_nearest"), ("drafter_oracle", "_noise"),
-    ("drafter_oracle", "_output"), ("neartie", "judge_ties"),
+    ("models.load", "load_real"), ("models.load", "greedy"), ("models.load", "multi_token_consistent"),
+    ("judge.checks", "verify_model"), ("judge.rows", "never_emitted"), ("judge.rows", "drafter_calibration"),
+    ("judge.rows", "judge_drafter"), ("judge.calibration", "calibrate"), ("subjects.binding", "call_generate"),
+    ("models.script", "ScriptedDraft.__init__"), ("models.script", "ScriptedDraft._extend"),
+    ("models.script", "ScriptedDraft._target_rows"), ("judge.oracle", "reference_logits"), ("judge.oracle", "judge_logits"),
+    ("judge.drafter_oracle", "calibrate"), ("judge.drafter_verdict", "judge"), ("judge.drafter_oracle", "Reference.__init__"),
+    ("judge.drafter_oracle", "reference_output"), ("judge.drafter_verdict", "_nearest"), ("judge.drafter_verdict", "_noise"),
+    ("judge.drafter_verdict", "_output"), ("judge.neartie", "judge_ties"),
+    ("judge.pair_reference", "floor_for"), ("judge.pair_reference", "in_run_floor"), ("judge.pair_reference", "epsilon_of"),
+    ("judge.pair_reference", "prompt_entry"), ("judge.acceptance_verdict", "method_check"),
 )
 
 
@@ -228,9 +206,18 @@ def profile_child(cfg: dict) -> dict:
         wrapper.__wrapped__ = fn
         return wrapper
 
+    def module_of(name: str):
+        try:
+            return worker.sibling(name)
+        except ImportError:
+            return None
+
     absent = []
     for module_name, path in PROFILED:
-        module = worker.sibling(module_name)
+        module = module_of(module_name)
+        if module is None:
+            absent.append(f"{module_name}.{path}")
+            continue
         owner, _, attr = path.rpartition(".")
         holder = getattr(module, owner, None) if owner else module
         fn = getattr(holder, attr, None) if holder is not None else None
@@ -268,13 +255,13 @@ def profile_child(cfg: dict) -> dict:
             module.register_forward_pre_hook(before, with_kwargs=True)
             module.register_forward_hook(after, with_kwargs=True)
 
-    models = worker.sibling("models")
+    models = module_of("models.load")
     load = models.load_real
 
     def load_and_hook(*args, **kwargs):
-        target, draft, mask = load(*args, **kwargs)
-        hooked(target)
-        return target, draft, mask
+        loaded = load(*args, **kwargs)
+        hooked(loaded[0])
+        return loaded
 
     models.load_real = load_and_hook
     start = time.perf_counter()
@@ -287,17 +274,22 @@ def profile_child(cfg: dict) -> dict:
             "fatal": result.get("fatal") or result.get("crash")}
 
 
-def run_profile(tree: Path, target: Path, time_limit: float, max_rss: float) -> dict:
+def run_profile(tree: Path, target: Path, time_limit: float, max_rss: float, draft: Path | None = None) -> dict:
+    """The verify of ``run_verify`` (scripted, or judged with ``draft``) in one process, its steps timed."""
     sys.path.insert(0, str(ROOT))
-    from patcher.verify.process.runner import DEFAULTS, child_env
+    from patcher.verify.process.runner import child_config, child_env
 
-    cfg = {**DEFAULTS, "tree": str(tree.resolve()), "target": str(target), "scripted_draft": True, "dtype": "bfloat16"}
+    how = dict(draft=str(draft), **JUDGED_OPTIONS) if draft is not None else dict(scripted_draft=True)
+    cfg = child_config(tree, target=str(target), dtype="bfloat16", **how)
     figures, stdout, stderr = watched([sys.executable, str(Path(__file__).resolve()), "--profile-child", json.dumps(cfg)],
                                       time_limit, max_rss, cwd=tempfile.gettempdir(), env=child_env())
-    try:
-        return {**json.loads(stdout.splitlines()[-1]), "outside": figures}
+    try:  # the profile is the last line; a child stopped early ends on one of the verifier's event lines
+        found = json.loads(stdout.splitlines()[-1])
     except (ValueError, IndexError):
-        return {"error": (figures["stopped"] or "") + "\n" + stderr[-3000:], "outside": figures}
+        found = None
+    if isinstance(found, dict) and "steps" in found:
+        return {**found, "outside": figures}
+    return {"error": (figures["stopped"] or "the profile printed no result") + "\n" + stderr[-3000:], "outside": figures}
 
 
 def print_profile(p: dict) -> None:
@@ -397,6 +389,8 @@ def watched(command: list[str], time_limit: float, max_rss: float, **popen) -> t
 
 #: the judged-acceptance run's settings (a CPU's minutes): the drafter's block, two budgets, two prompts
 JUDGED = ["--prompts", "2", "--max-new-tokens", "48", "--tree-budgets", "8,16", "--greedy-only"]
+#: the same settings as ``patcher.api.verify`` options (``--profile --judged``)
+JUDGED_OPTIONS = dict(prompts=2, max_new_tokens=48, tree_budgets=[8, 16], greedy_only=True)
 
 
 def run_verify(tree: Path, target: Path, time_limit: float, max_rss: float, extra: list[str], draft: Path | None = None) -> dict:
@@ -435,7 +429,12 @@ def main() -> int:
     parser.add_argument("--judged", action="store_true",
                         help="also verify with a real-shaped drafter (unscripted): acceptance judged against the run's own reference")
     parser.add_argument("--judged-only", action="store_true", help="with --judged: only the judged run, not the scripted one")
-    parser.add_argument("--profile", action="store_true", help="where the verify's time and memory go, step by step")
+    parser.add_argument("--judged-drafter", choices=("copy", "random"), default="copy",
+                        help="with --judged: the pair of real_shapes_copy_pair.py, whose hand-set drafter predicts (default; "
+                             "its own target folder), or a random-weight drafter on the scripted run's target (it predicts "
+                             "nothing: the acceptance rows say inconclusive)")
+    parser.add_argument("--profile", action="store_true",
+                        help="where the verify's time and memory go, step by step (with --judged: the judged verify's)")
     parser.add_argument("--profile-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="one JSON object")
     args = parser.parse_args()
@@ -443,33 +442,60 @@ def main() -> int:
         print(json.dumps(profile_child(json.loads(args.profile_child))))
         return 0
 
-    target, info, built = target_folder(args.folder, args.vocab, args.layers, args.seed)
-    summary = {"target": str(target), "built_now": built, "model": info}
+    scripted = not (args.judged and (args.judged_only or args.profile))
+    copy = args.judged and args.judged_drafter == "copy"
+    summary: dict = {}
+    if scripted or not copy:
+        target, info, built = target_folder(args.folder, args.vocab, args.layers, args.seed)
+        summary.update(target=str(target), built_now=built, model=info)
+    if copy:  # the judged verify's own pair: a target whose greedy text the hand-set drafter predicts
+        judged_target, judged_info, judged_built = target_folder(args.folder, args.vocab, args.layers, args.seed, "copy")
+        summary.update(judged_target=str(judged_target), judged_built_now=judged_built, judged_model=judged_info)
+        summary.setdefault("target", str(judged_target))
+        summary.setdefault("built_now", judged_built)
+        summary.setdefault("model", judged_info)
+    elif args.judged:
+        judged_target, judged_info = target, info
     if not args.build_only:
         with tempfile.TemporaryDirectory(prefix="ddpatch-real-shapes-tree-") as tmp:
             tree = args.tree or patched_tree(Path(tmp) / "ddtree")
-            if args.profile:
+            draft = Path(tmp) / "draft" if args.judged else None
+            if draft is not None and copy:
+                from real_shapes_copy_pair import build_copy_drafter
+
+                summary["drafter"] = {"kind": "copy", **build_copy_drafter(draft, tree, judged_info, args.seed)}
+            elif draft is not None:
+                summary["drafter"] = {"kind": "random", **build_drafter(draft, tree, judged_info, args.seed)}
+            if args.profile and draft is not None:  # the judged verify's steps
+                summary["profile"] = run_profile(tree, judged_target, args.time_limit, args.max_rss_gb, draft)
+            elif args.profile:
                 summary["profile"] = run_profile(tree, target, args.time_limit, args.max_rss_gb)
-            elif not (args.judged and args.judged_only):
-                summary["verify"] = run_verify(tree, target, args.time_limit, args.max_rss_gb, shlex.split(args.verify_args))
-            if args.judged:
-                draft = Path(tmp) / "draft"
-                summary["drafter"] = build_drafter(draft, tree, info, args.seed)
-                summary["judged"] = run_verify(tree, target, args.time_limit, args.max_rss_gb, shlex.split(args.verify_args), draft)
+            else:
+                if scripted:
+                    summary["verify"] = run_verify(tree, target, args.time_limit, args.max_rss_gb, shlex.split(args.verify_args))
+                if draft is not None:
+                    summary["judged"] = run_verify(tree, judged_target, args.time_limit, args.max_rss_gb,
+                                                   shlex.split(args.verify_args), draft)
     if args.json:
         print(json.dumps(summary, indent=1))
         return 0
-    m = summary["model"]
-    print(f"target {target} ({'built now in ' + str(m['build_seconds']) + ' s' if built else 'cached'}): {m['layers']} layers, "
-          f"hidden {m['hidden_size']}, vocab {m['vocab']:,}, {m['parameters'] / 1e9:.2f} B parameters, {m['bytes'] / 1e9:.2f} GB bf16")
+    for prefix in ("", "judged_"):
+        m = summary.get(prefix + "model")
+        if m is None or (prefix and summary[prefix + "target"] == summary["target"]):
+            continue
+        built = summary[prefix + "built_now"]
+        print(f"{'judged ' if prefix else ''}target {summary[prefix + 'target']} "
+              f"({'built now in ' + str(m['build_seconds']) + ' s' if built else 'cached'}): {m['layers']} layers, hidden "
+              f"{m['hidden_size']}, vocab {m['vocab']:,}, {m['parameters'] / 1e9:.2f} B parameters, {m['bytes'] / 1e9:.2f} GB bf16")
     for key in ("verify", "judged"):
         v = summary.get(key)
         if not v:
             continue
         if key == "judged":
             d = summary["drafter"]
-            print(f"judged: a {d['layers']}-layer drafter of the real sizes, block {d['block_size']}, {d['parameters'] / 1e9:.2f} B "
-                  f"parameters (built in {d['build_seconds']} s)")
+            what = "hand-set to predict (real_shapes_copy_pair.py)" if d["kind"] == "copy" else "random weights"
+            print(f"judged: a {d['layers']}-layer drafter of the real sizes, {what}, block {d['block_size']}, "
+                  f"{d['parameters'] / 1e9:.2f} B parameters (built in {d['build_seconds']} s)")
         print(f"{key}: exit {v['exit_code']}, wall {v['wall_s']:.0f} s, CPU {v['cpu_s']:.0f} s, peak RSS {v['peak_rss_gib']:.2f} GiB "
               f"(whole tree sampled: {v['sampled_tree_peak_gib']:.2f} GiB)")
         for line in (v["stopped"], v["error"]):

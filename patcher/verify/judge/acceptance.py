@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 from .calibration import MULTIPLE
-from .reference_decode import Positions, ScratchPair, decode, walk
+from .reference_decode import Positions, ScratchPair, decode, max_row_l1, walk
 
 FLOOR_FILE = "acceptance_floor.json"
 FORMAT = 1
@@ -44,7 +44,7 @@ def epsilon(target, draft, prompt, greedy: list[int], mask_id: int, block_size: 
     from .drafter_oracle import calibrate
 
     cal = calibrate(target, draft, torch.tensor([prompt]), greedy, mask_id, block_size)
-    row = float(target.get_output_embeddings().weight.detach().float().abs().sum(-1).max())
+    row = max_row_l1(target.get_output_embeddings())
     tol = cal.tolerances["output"]
     return {"logits": tol * row, "output_tolerance": tol, "output_floor": cal.floors["output"], "lm_head_max_row_l1": row,
             "rule": f"drafter oracle output tolerance (max({MULTIPLE:g} x measured floor, float32 minimum)) x largest "

@@ -205,7 +205,9 @@ class LogitsRecorder:
                 "ids": ids[0].detach().cpu().tolist(),
                 "positions": positions.detach().cpu().tolist(),
                 "visible": visible,
-                "logits": logits[0].detach().float().cpu(),
+                # in the run's own dtype (exact; float32 of a bfloat16 row is twice its bytes, a real vocabulary's
+                # 1 MB a row), a copy (a decoder may scale its logits in place)
+                "logits": logits[0].detach().to("cpu", copy=True),
                 "routes": self._routes.take(),
             }
         )

@@ -19,7 +19,7 @@ so a bfloat16 run gets its wider epsilon.
 
 from __future__ import annotations
 
-from .reference_decode import ScratchPair, budget_of, chain_at, tree_at
+from .reference_decode import ScratchPair, budget_of, chain_at, max_row_l1, tree_at
 
 MADE_IN_RUN = "this run: ddpatch's from-scratch reference decoders (patcher/verify/judge/reference_decode.py) on the run's prompts"
 
@@ -31,7 +31,7 @@ def epsilon_of(target, output_tolerance: float, logits_tolerance: float | None =
     output tolerance is 100x wider, and every drafter proposal would be a near-tie), so epsilon is the tolerance the
     oracle measured on the drafter's logits themselves (``logits_tolerance``: MULTIPLE x the largest logit gap between
     two exact computations of the same block), where that is the smaller."""
-    row = float(target.get_output_embeddings().weight.detach().float().abs().sum(-1).max())
+    row = max_row_l1(target.get_output_embeddings())
     bound = output_tolerance * row
     out = {"logits": bound, "output_tolerance": output_tolerance, "lm_head_max_row_l1": row,
            "rule": "this run's drafter oracle output tolerance x largest |LM head row|_1"}

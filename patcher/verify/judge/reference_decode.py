@@ -23,6 +23,28 @@ from __future__ import annotations
 from .drafter_oracle import embedding_scale, reference_output, roles_of
 
 
+#: Rows of the LM head converted to float32 at once by ``max_row_l1`` (a real 248,320 x 5,120 head is 5 GB in float32).
+ROW_CHUNK = 8192
+
+
+def max_row_l1(head) -> float:
+    """The largest L1 norm of an LM head's rows (``|Δlogit| <= |Δhidden|_max x |row|_1``), in float32, a chunk of rows
+    at a time: no float32 copy of the whole head. Remembered on the weight until it changes (its ``_version``)."""
+    import torch
+
+    w = head.weight
+    seen = getattr(w, "_ddpatch_max_row_l1", None)
+    if seen is not None and seen[0] == w._version:
+        return seen[1]
+    with torch.no_grad():
+        best = max(float(w[i:i + ROW_CHUNK].detach().float().abs().sum(-1).max()) for i in range(0, w.shape[0], ROW_CHUNK))
+    try:
+        w._ddpatch_max_row_l1 = (w._version, best)
+    except (AttributeError, RuntimeError):  # a tensor subclass that takes no attributes: computed each time
+        pass
+    return best
+
+
 class ScratchPair:
     """The target and the drafter, driven from scratch (float32, no cache)."""
 

@@ -52,7 +52,9 @@ DEFAULTS = dict(
 DEFAULT_PAIRS = ["trained-qwen3_5"]
 
 
-def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> Outcome:
+def child_config(tree: Path, **options) -> dict:
+    """The configuration a verify child runs (``worker.run``): the options checked and completed as ``run_verify`` takes
+    them (the real drafter's defaults, the decoder plan); ``VerifyError`` for bad input."""
     tree = Path(tree)
     if not tree.is_dir():
         raise VerifyError(f"not a directory: {tree}")
@@ -93,7 +95,11 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
         raise VerifyError(f"no DDTree/DFlash decoder found in {tree} ({decoders.LOOKED_FOR})")
     if not options.get("target") and not options.get("presets"):  # the default: a random preset and the trained pair
         options = {**options, "pairs": [pair_options(name, options) for name in DEFAULT_PAIRS]}
-    cfg = {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}, "tree": str(tree.resolve()), "plan": plan}
+    return {**DEFAULTS, **{k: v for k, v in options.items() if v is not None}, "tree": str(tree.resolve()), "plan": plan}
+
+
+def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> Outcome:
+    cfg = child_config(tree, **options)
     env = child_env()
     start = time.perf_counter()
     log: list[str] = []
