@@ -5,9 +5,9 @@
                                                                             # hidden 512, vocab 4096: seconds
     python benchmarks/real_shapes_copy_pair.py --root /tmp/copypair --stats-only    # the target's greedy runs only
 
-``bench_real_shapes`` judges a random drafter, which predicts nothing (every round accepts 1 token), so the judge
-rightly calls its acceptance inconclusive. Training a drafter at these sizes is out of reach on a CPU, so this pair is
-set by hand, with the same classes, sizes and streaming build as ``bench_real_shapes`` (``real_shapes_build``: ``text_config``,
+A random drafter predicts nothing (every round accepts 1 token), so the judge rightly calls its acceptance
+inconclusive, and training a drafter at these sizes is out of reach on a CPU: ``bench_real_shapes --judged`` judges
+this pair instead. It is set by hand, with the same classes, sizes and streaming build as ``bench_real_shapes`` (``real_shapes_build``: ``text_config``,
 ``stream_init``: the model's own ``_init_weights`` one module at a time, then a transform of that module before
 it is written; never the whole model in memory, no float32 copy; the peak is the embedding held for the LM head):
 
