@@ -7,9 +7,10 @@
 
 A random drafter predicts nothing (every round accepts 1 token), so the judge rightly calls its acceptance
 inconclusive, and training a drafter at these sizes is out of reach on a CPU: ``bench_real_shapes --judged`` judges
-this pair instead. It is set by hand, with the same classes, sizes and streaming build as ``bench_real_shapes`` (``real_shapes_build``: ``text_config``,
-``stream_init``: the model's own ``_init_weights`` one module at a time, then a transform of that module before
-it is written; never the whole model in memory, no float32 copy; the peak is the embedding held for the LM head):
+this pair instead. It is set by hand, with the same classes, sizes and streaming build as ``bench_real_shapes``
+(``real_shapes_build``: ``text_config``, ``stream_init``: the model's own ``_init_weights`` one module at a time,
+then a transform of that module before it is written; never the whole model in memory, no float32 copy; the peak
+is the embedding held for the LM head):
 
 Target (``Qwen3_5ForCausalLM``, ``text_config``: untied, bf16). The embedding rows are the seeded random init
 (std 0.02) times a gain ``g = GAIN``; the LM head holds the same values (two tensors: ``tie_word_embeddings`` stays

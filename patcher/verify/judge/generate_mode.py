@@ -181,7 +181,8 @@ class _TargetCalls(oracle.LogitsRecorder):
 
     def _after(self, module, args, kwargs, output):
         if _depth(module) == self.depth:
-            super()._after(module, args, _as_523(args, kwargs), output)  # the row is a copy: sampling scales output.logits in place
+            # the recorded row is a copy: sampling scales output.logits in place
+            super()._after(module, args, _as_523(args, kwargs), output)
 
 
 def _as_523(args, kwargs) -> dict:
