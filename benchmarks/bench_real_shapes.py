@@ -387,10 +387,11 @@ def watched(command: list[str], time_limit: float, max_rss: float, **popen) -> t
     return figures, out.read(), err.read()
 
 
-#: the judged-acceptance run's settings (a CPU's minutes): the drafter's block, two budgets, two prompts
-JUDGED = ["--prompts", "2", "--max-new-tokens", "48", "--tree-budgets", "8,16", "--greedy-only"]
-#: the same settings as ``patcher.api.verify`` options (``--profile --judged``)
+#: the judged-acceptance run's settings (a CPU's minutes): the drafter's block, two budgets, two prompts, as
+#: ``patcher.api.verify`` options (``--profile --judged``) and as the verify command's flags
 JUDGED_OPTIONS = dict(prompts=2, max_new_tokens=48, tree_budgets=[8, 16], greedy_only=True)
+JUDGED = ["--prompts", str(JUDGED_OPTIONS["prompts"]), "--max-new-tokens", str(JUDGED_OPTIONS["max_new_tokens"]),
+          "--tree-budgets", ",".join(map(str, JUDGED_OPTIONS["tree_budgets"])), "--greedy-only"]
 
 
 def run_verify(tree: Path, target: Path, time_limit: float, max_rss: float, extra: list[str], draft: Path | None = None) -> dict:
@@ -450,12 +451,10 @@ def main() -> int:
         summary.update(target=str(target), built_now=built, model=info)
     if copy:  # the judged verify's own pair: a target whose greedy text the hand-set drafter predicts
         judged_target, judged_info, judged_built = target_folder(args.folder, args.vocab, args.layers, args.seed, "copy")
-        summary.update(judged_target=str(judged_target), judged_built_now=judged_built, judged_model=judged_info)
-        summary.setdefault("target", str(judged_target))
-        summary.setdefault("built_now", judged_built)
-        summary.setdefault("model", judged_info)
     elif args.judged:
-        judged_target, judged_info = target, info
+        judged_target, judged_info, judged_built = target, info, built
+    if args.judged:
+        summary.update(judged_target=str(judged_target), judged_built_now=judged_built, judged_model=judged_info)
     if not args.build_only:
         with tempfile.TemporaryDirectory(prefix="ddpatch-real-shapes-tree-") as tmp:
             tree = args.tree or patched_tree(Path(tmp) / "ddtree")
@@ -481,7 +480,7 @@ def main() -> int:
         return 0
     for prefix in ("", "judged_"):
         m = summary.get(prefix + "model")
-        if m is None or (prefix and summary[prefix + "target"] == summary["target"]):
+        if m is None or (prefix and summary["judged_target"] == summary.get("target")):
             continue
         built = summary[prefix + "built_now"]
         print(f"{'judged ' if prefix else ''}target {summary[prefix + 'target']} "

@@ -38,10 +38,7 @@ def max_row_l1(head) -> float:
         return seen[1]
     with torch.no_grad():
         best = max(float(w[i:i + ROW_CHUNK].detach().float().abs().sum(-1).max()) for i in range(0, w.shape[0], ROW_CHUNK))
-    try:
-        w._ddpatch_max_row_l1 = (w._version, best)
-    except (AttributeError, RuntimeError):  # a tensor subclass that takes no attributes: computed each time
-        pass
+    w._ddpatch_max_row_l1 = (w._version, best)
     return best
 
 
