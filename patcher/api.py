@@ -18,13 +18,13 @@ verdict; a failed check is ``outcome.passed == False``.
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable
 
-from . import shipped
+from . import bridge, shipped
+from .bridge import DEFAULT_RECIPE, engine_report, require_code
 from .ci import BISECT_THRESHOLD, HUNK_LINES
 from .engine.recipe import Recipe, builtin_recipes, load_recipe
 from .errors import INPUT_ERRORS, CIError, EngineError, JournalError, RecipeError, RefereeError, VerifierCrash, VerifyError
@@ -32,14 +32,13 @@ from .results import ApplyResult, CIResult, Outcome, Refereed, Report, RevertRes
 from .verify.models.presets import PRESETS
 
 # The engine (and libcst), the verifier's runner and ci's history are imported by the functions
-# that run them, so that importing this module, and ``ddpatch --help`` above it, stays cheap.
-
-DEFAULT_RECIPE = "qwen3_6-gdn"
+# that run them, so that importing this module, and ``ddpatch --help`` above it, stays cheap. Where the
+# engine and the verifier meet (a check on verify's behalf, verify's decoders on check's) is ``patcher.bridge``.
 
 __all__ = [
     "BISECT_THRESHOLD", "CIError", "DEFAULT_RECIPE", "EngineError", "HUNK_LINES", "INPUT_ERRORS", "JournalError", "PRESETS",
-    "RecipeError", "VerifierCrash", "VerifyError", "apply", "check", "ci", "diff", "env", "lossy_steps", "patch_builtin",
-    "recipe_docs", "recipes", "revert", "run", "verify", "workflow_template",
+    "RecipeError", "VerifierCrash", "VerifyError", "apply", "check", "ci", "diff", "env", "generate_modes", "lossy_steps",
+    "patch_builtin", "recipe_docs", "recipes", "referee", "revert", "run", "verify", "verify_generate", "workflow_template",
 ]
 
 
@@ -101,38 +100,11 @@ def run(path: str | Path, recipe: str | Recipe = DEFAULT_RECIPE, select=None, ig
     says what to run on it. ``include_vendored``: also check the folders that look like copies of
     third-party packages; by default they are listed in ``Report.vendored`` and not parsed (docs/usage.md).
     """
-    from .engine.pipeline import run_recipe
-
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     survey = "report" if select is not None else "require"
     recipe = select_steps(recipe, select, ignore)
-    return run_recipe(recipe, Path(path), upstream=upstream, jobs=jobs or os.cpu_count() or 1, progress=progress,
-                      exclude=tuple(exclude or ()), survey=survey, include_vendored=include_vendored, list_decoders=decoders_verify_finds)
-
-
-def decoders_verify_finds(root: Path, exclude: tuple[str, ...]) -> dict[str, str]:
-    """File -> the decoders ``verify`` finds in it (``patcher.verify.subjects.decoders``, stdlib ``ast``; nothing is imported from
-    the tree): the engine may not import the verifier, so the API hands this to it, and check's ``decoders:`` line names
-    what verify runs."""
-    from .verify.subjects.decoders import inventory
-
-    out: dict[str, list[str]] = {}
-    for d in inventory(root, tuple(exclude)).decoders:
-        out.setdefault(d.file, []).append(f"`{d.qualname}`" + (f" (through `{d.loop}`)" if d.loop else ""))
-    return {file: "verify finds " + ", ".join(names) for file, names in out.items()}
-
-
-def require_code(report: Report) -> None:
-    """A tree with none of the recipe's code is bad input: say so in one line."""
-    from .engine.survey import looked_for
-
-    if report.upstream is not None or report.changed or report.skipped or report.decoders:
-        return
-    if any(site for step in report.steps for site in step.sites):
-        return
-    family = report.recipe.decoders or report.recipe.name
-    raise EngineError(f"no {family} decoder found in {report.root} (looked for {looked_for(report.recipe)}), and no step found "
-                      "a site; pass --upstream NAME to check it as that layout")
+    return engine_report(path, recipe, upstream=upstream, jobs=jobs, progress=progress, exclude=tuple(exclude or ()), survey=survey,
+                         include_vendored=include_vendored)
 
 
 def check(path: str | Path, recipe: str | Recipe = DEFAULT_RECIPE, **options) -> Report:
@@ -253,57 +225,33 @@ def verify(path: str | Path, timeout: float = 600.0, progress: Callable[[dict], 
     first ``prompts`` of them, else its default."""
     from .verify.process.runner import run_verify
 
-    unpatched = _unpatched(Path(path), original) if upstream_tests or original is not None else None  # bad input: before the run
+    unpatched = bridge.unpatched(Path(path), original) if upstream_tests or original is not None else None  # bad input: before the run
     if prompts_file is not None:
         options.update(_prompts_options(prompts_file, options))
     if Path(path).is_dir() and not options.get("entries"):  # --entry names the decoders: the runner checks them
-        not_torch = require_decoder(path, options.get("exclude") or ())
+        not_torch = bridge.require_decoder(path, options.get("exclude") or ())
         if not_torch:  # an MLX port beside the torch decoders: never run as a torch decoder
             options["not_torch"] = {rel: f"{framework} code, not torch (imports {module})" for rel, (framework, module) in not_torch.items()}
     outcome = run_verify(Path(path), timeout=timeout, progress=progress, **options)
-    settle_hints(outcome, Path(path), options.get("exclude") or ())
+    bridge.settle_hints(outcome, Path(path), options.get("exclude") or ())
     if unpatched is not None:
-        from .verify.subjects.upstream_tests import upstream_tests_row
-
-        outcome.result.setdefault("checks", []).append(upstream_tests_row(Path(path), unpatched, _steps_by_file, timeout, progress))
+        outcome.result.setdefault("checks", []).append(bridge.upstream_tests_row(Path(path), unpatched, timeout, progress))
     return outcome
 
 
-#: steps whose fix lies where a value is made, not where it fails (a cache built without the target's config fails in
-#: the forward it is handed to): a hint names them where they touched the failing function; the others, the line
-DATA_FLOW_STEPS = ("target-cache-config", "crop-compat", "verify-forward", "tree-commit", "draft-sliding-window")
+def generate_modes() -> tuple[str, ...]:
+    """The modes ``verify_generate`` runs (``verify --generate --mode``), in its order."""
+    from .verify.judge.generate_mode import MODES
+
+    return tuple(MODES)
 
 
-def settle_hints(outcome: Outcome, tree: Path, exclude=()) -> None:
-    """A failing row's hint names a recipe step only where that step touched the failing code: a line the error's
-    frames in the tree passed through (for a data-flow step, their function), whether the site is written or pending.
-    An error in code no step wrote (a drafter's own config field, a fork's helper) is not blamed on the step whose
-    words its message happens to contain."""
-    rows = [r for r in outcome.checks if r.get("hint") and r.get("tree_frames")]
-    rows += [r["then"] for r in outcome.checks if isinstance(r.get("then"), dict) and r["then"].get("hint") and r["then"].get("tree_frames")]
-    if not rows or not tree.is_dir():
-        return
-    try:
-        report = check(tree, exclude=exclude)
-    except INPUT_ERRORS:
-        return
-    steps = {s.spec.id: s for s in report.steps}
-    for row in rows:
-        step = steps.get(row["hint"].split(" ", 1)[0])
-        if step is None:  # not a step's name ("none: the tree imports ddpatch"): it stands
-            continue
-        if step.spec.id in DATA_FLOW_STEPS:
-            here = {(f, fn) for f, _, fn in row["tree_frames"]}
-            touched = {(s.path, (s.function or "<module>").rsplit(".", 1)[-1]) for s in step.sites}
-        else:
-            here = {(f, line) for f, line, _ in row["tree_frames"]}
-            touched = {(s.path, s.line) for s in step.sites}
-        if here & touched:
-            continue
-        where = ", ".join(f"{f}:{line} in {fn}" for f, line, fn in row["tree_frames"][-2:])
-        row["hint"] = None
-        row["not_a_step"] = f"no recipe step touched {where}: the tree's own code (or what it was given) fails there"
-        row["evidence"] = f"{row.get('evidence', '')}; {row['not_a_step']}".lstrip("; ")
+def verify_generate(modes: Iterable[str], assistant: str | Path | None = None, **options) -> Outcome:
+    """``verify --generate``: transformers' own speculative ``generate()`` under ``patcher.lossless``, in this process, judged
+    against plain ``generate()`` (``patcher.verify.judge.generate_mode``; options: presets, target, seeds, temperature, ...)."""
+    from .verify.judge.generate_mode import run_generate
+
+    return run_generate(modes=list(modes), assistant=str(assistant) if assistant else None, **options)
 
 
 def _prompts_options(prompts_file: str | Path, options: dict) -> dict:
@@ -330,7 +278,7 @@ def referee(engine: str, target: str | Path, draft: str | Path, *, prompts_file:
     """A running engine's speculative decoding beside ddpatch's from-scratch reference, the same pair on the same prompts
     (``patcher.referee.run``). Bad input (an engine that does not answer or reports no counters, a pair whose tokenizer is
     not the engine's, a prompt over the context, a bad folder or prompts file) raises one of ``INPUT_ERRORS``."""
-    from .referee.run import referee as run
+    from .referee.run import referee as run_referee
     from .verify.models.prompts import PromptsFileError, verify_options
 
     for flag, folder in (("--target", target), ("--draft", draft)):
@@ -343,88 +291,10 @@ def referee(engine: str, target: str | Path, draft: str | Path, *, prompts_file:
         except PromptsFileError as exc:
             raise RefereeError(str(exc)) from None
         records, source = read["prompt_records"], read["prompts_source"]
-    result = run(engine, str(Path(target).expanduser().resolve()), str(Path(draft).expanduser().resolve()), records=records,
-                 source=source, prompts=prompts, max_new_tokens=max_new_tokens, budgets=tuple(budgets), kind=kind, api=engine_api,
-                 dtype=dtype, timeout_s=timeout, progress=progress)
+    result = run_referee(engine, str(Path(target).expanduser().resolve()), str(Path(draft).expanduser().resolve()), records=records,
+                         source=source, prompts=prompts, max_new_tokens=max_new_tokens, budgets=tuple(budgets), kind=kind,
+                         api=engine_api, dtype=dtype, timeout_s=timeout, progress=progress)
     return Refereed(result)
-
-
-# ----------------------------------------------------------------------------- verify --upstream-tests
-def _unpatched(path: Path, original: str | Path | None):
-    """The tree ``verify --upstream-tests`` runs the tests on before the patch: ``--original``, else ``path`` with the
-    original bytes its latest in-place apply journalled. A tree written by ``apply --out`` has no journal: bad input."""
-    import base64
-    import json
-
-    from .engine import journal
-    from .verify.subjects.upstream_tests import Unpatched
-
-    if original is not None:
-        source = Path(original).expanduser().resolve()
-        if not source.is_dir():
-            raise VerifyError(f"--original {original} is not a directory")
-        if path.is_dir() and source == path.resolve():
-            raise VerifyError(f"--original {original} is the patched tree itself; give the unpatched one")
-        return Unpatched(source, None, str(source))
-    entry = journal.latest(path.resolve()) if path.is_dir() else None
-    if entry is None:
-        raise VerifyError(f"--upstream-tests: no in-place apply of {path} is on record (journals under {journal.home() / 'journals'}), "
-                          f"so its unpatched tree is unknown; for a tree written by `ddpatch apply SRC --out {path}`, pass --original SRC")
-    files = json.loads(entry.read_text())["files"]
-    bad = [f["path"] for f in files if Path(f["path"]).is_absolute() or ".." in Path(f["path"]).parts]
-    if bad:
-        raise VerifyError(f"--upstream-tests: the journal {entry} names a file outside the tree: {bad[0]!r}")
-    return Unpatched(path.resolve(), {f["path"]: None if f["original"] is None else base64.b64decode(f["original"]) for f in files},
-                     f"the in-place apply's journal {entry.name}")
-
-
-def _steps_by_file(before: Path, after: Path) -> dict[str, list[str]]:
-    """Per file the recipe rewrites in ``before``, the steps with a site there (``check``), narrowed to those the patched
-    file's provenance line names when it names any of them (an apply with --select/--ignore)."""
-    from .engine.files import read_provenance
-    from .results import APPLIED, PENDING
-
-    try:
-        report = check(before, jobs=1)
-    except INPUT_ERRORS:
-        return {}
-    out: dict[str, list[str]] = {}
-    for step in report.steps:
-        for site in step.sites:
-            if site.status in (APPLIED, PENDING) and step.spec.id not in out.setdefault(site.path, []):
-                out[site.path].append(step.spec.id)
-    for rel, steps in out.items():
-        named = read_provenance((after / rel).read_text(errors="replace")) if (after / rel).is_file() else set()
-        out[rel] = [s for s in steps if s in named] or steps
-    return out
-
-
-def require_decoder(path: str | Path, exclude: Iterable[str] = ()) -> dict[str, tuple[str, str]]:
-    """Before a verifier starts: a tree with none of the default recipe's decoders is refused in the one line check gives
-    (a serving engine named as such), as check, diff and apply refuse it; ``--entry`` names decoders by hand instead.
-    Returns the files that are not torch code (file -> (framework, module)): verify leaves them out, as apply does."""
-    from .engine.files import defined_functions
-    from .engine.pipeline import discover
-    from .engine.survey import NotADecoderTree, refuse, survey
-
-    recipe = load_recipe(DEFAULT_RECIPE)
-    root = Path(path).resolve()
-    paths, _, _ = discover(root, recipe, exclude=tuple(exclude))
-    texts, defined = {}, set()
-    for p in paths:
-        try:
-            text = p.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            continue
-        texts[p.relative_to(root).as_posix()] = text
-        defined.update(defined_functions(text))
-    found = survey(texts, recipe, recipe.detect_upstream(defined))
-    if not found.decoders:
-        try:
-            refuse(found, recipe, root)
-        except NotADecoderTree as exc:
-            raise VerifyError(str(exc)) from None
-    return dict(found.not_torch)
 
 
 # ----------------------------------------------------------------------------- ci

@@ -381,7 +381,7 @@ def test_killed_apply_leaves_whole_files_and_revert_restores_them(ddtree, tmp_pa
 def test_progress_bar_only_on_a_terminal_and_for_many_files(monkeypatch):
     import io
 
-    from patcher import cli
+    from patcher.report import console
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -389,8 +389,8 @@ def test_progress_bar_only_on_a_terminal_and_for_many_files(monkeypatch):
 
     for total, tty, drawn in ((200, True, True), (10, True, False), (200, False, False)):
         stream = Terminal() if tty else io.StringIO()
-        monkeypatch.setattr(cli.sys, "stderr", stream)
-        with cli._progress("diff") as progress:
+        monkeypatch.setattr(console.sys, "stderr", stream)
+        with console.file_progress("diff") as progress:
             for done in range(1, total + 1):
                 progress(done, total)
         assert bool(stream.getvalue()) == drawn, (total, tty)

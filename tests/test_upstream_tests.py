@@ -19,7 +19,7 @@ import pytest
 
 from drift.variants import VENDORED
 
-from patcher import api
+from patcher import api, bridge
 from patcher.verify.subjects import upstream_tests as ut
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,7 +71,7 @@ def _patched(src: Path, out: Path, old_guard: bool = False) -> Path:
 
 
 def _row(patched: Path, original: Path) -> dict:
-    return ut.upstream_tests_row(patched, api._unpatched(patched, original), api._steps_by_file, timeout=300)
+    return ut.upstream_tests_row(patched, bridge.unpatched(patched, original), bridge.steps_by_file, timeout=300)
 
 
 # ----------------------------------------------------------------------------- end to end: pytest before and after
@@ -115,7 +115,7 @@ def test_an_in_place_apply_is_compared_with_its_journal(tmp_path):
     tree = tmp_path / "tree"
     shutil.copytree(src, tree)
     api.apply(tree, jobs=1)
-    unpatched = api._unpatched(tree, None)
+    unpatched = bridge.unpatched(tree, None)
     assert unpatched.root == tree.resolve() and unpatched.overlay
     before = ut.copy_tree(unpatched.root, tmp_path / "before", unpatched.overlay)
     assert sorted(ut._files(before)) == sorted(ut._files(src))
@@ -129,7 +129,7 @@ def test_an_in_place_apply_is_compared_with_its_journal(tmp_path):
     payload["files"][0]["path"] = "../outside.py"
     entry.write_text(json.dumps(payload))
     with pytest.raises(api.VerifyError, match="names a file outside the tree"):
-        api._unpatched(tree, None)
+        bridge.unpatched(tree, None)
 
 
 def test_an_out_tree_without_original_is_one_error_line(tmp_path):
@@ -145,9 +145,9 @@ def test_an_out_tree_without_original_is_one_error_line(tmp_path):
         if extra:
             assert json.loads(proc.stdout)["exit_code"] == 2
     with pytest.raises(api.VerifyError, match="is not a directory"):
-        api._unpatched(out, tmp_path / "missing")
+        bridge.unpatched(out, tmp_path / "missing")
     with pytest.raises(api.VerifyError, match="the patched tree itself"):
-        api._unpatched(out, out)
+        bridge.unpatched(out, out)
 
 
 def test_a_tree_without_tests_says_so(tmp_path):
@@ -222,11 +222,11 @@ def test_a_test_missing_after_the_patch_takes_its_modules_collection_error(tmp_p
 def test_the_steps_of_a_file_are_checks_sites_narrowed_to_what_its_patched_copy_names(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(VENDORED / "dflash", src, ignore=shutil.ignore_patterns("__pycache__"))
-    full = api._steps_by_file(src, _patched(src, tmp_path / "full"))
+    full = bridge.steps_by_file(src, _patched(src, tmp_path / "full"))
     assert full["dflash/benchmark.py"] == ["cpu-safe-timing"]
     assert {"cpu-safe-timing", "crop-compat"} <= set(full["dflash/model.py"])
     api.apply(src, out=tmp_path / "timing", select="cpu-safe-timing", jobs=1)
-    assert api._steps_by_file(src, tmp_path / "timing")["dflash/model.py"] == ["cpu-safe-timing"]
+    assert bridge.steps_by_file(src, tmp_path / "timing")["dflash/model.py"] == ["cpu-safe-timing"]
 
 
 def test_verify_adds_the_row_after_the_childs_result_and_checks_its_input_before(tmp_path, monkeypatch):

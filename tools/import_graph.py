@@ -40,7 +40,7 @@ LAYERS = [
     ("commands",),
     ("api", "config"),
     ("ci",),
-    ("referee",),
+    ("referee", "bridge"),
     ("engine", "verify"),
     ("lossless",),
     ("generation",),
@@ -52,10 +52,13 @@ LAYERS = [
 #: enough; the engine, verify and ci return plain results and never render them.
 MAY_IMPORT = {
     "__main__": {"cli"},
-    "cli": {"commands", "api", "report", "results", "verify", "__init__"},  # verify: the preset names for --preset's choices
-    "commands": {"api", "config", "report", "results", "errors", "env", "__init__"},  # the CLI's shared pieces; its ci, env and referee commands
+    "cli": {"commands", "__init__"},  # the click group and its wiring: every command is in commands, and goes through api
+    "commands": {"api", "config", "report", "results", "errors", "env", "__init__"},  # every command (a module each, or per small
+    # group) and what they share (base); they call api and render with report, and reach no engine nor verify of their own
     "config": {"engine", "errors", "__init__"},  # settings from ddpatch.toml / [tool.ddpatch]; the default recipe
-    "api": {"ci", "referee", "engine", "verify", "results", "errors", "env", "__init__"},
+    "api": {"ci", "referee", "bridge", "engine", "verify", "results", "errors", "env", "__init__"},
+    "bridge": {"engine", "verify", "results", "errors"},  # where the engine and verify meet (check on verify's behalf, verify's
+    # decoders on check's), so that neither imports the other and api only calls
     "ci": {"engine", "verify", "results", "errors", "__init__"},
     "engine": {"results", "errors", "__init__"},
     "verify": {"results", "errors", "lossless", "__init__"},  # lossless: for `verify --generate`

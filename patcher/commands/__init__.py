@@ -1,2 +1,2 @@
-"""The CLI's building blocks: what every command shares (``base``) and the commands of their own modules.
-Imported by ``patcher.cli`` only."""
+"""The ``ddpatch`` commands, one module per command or small group, and what they share (``base``).
+They import api, config, report, results, errors and env only (never the engine or verify); patcher.cli imports them."""
