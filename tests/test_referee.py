@@ -257,3 +257,70 @@ def test_two_logits_that_round_to_one_bfloat16_value_are_told():
 
     assert rounds_alike(10.0, 10.0065, "bfloat16") and not rounds_alike(10.0, 10.0065, "float32")
     assert not rounds_alike(10.0, 10.2, "bfloat16")
+
+
+# ----------------------------------------------------------------------------- the whole referee, a made-up engine
+class MadeUpEngine:
+    """An engine that decodes the shipped pair's target in float32, takes ``mode``'s token at one position of prompt 0
+    ("tie": the runner-up where the target's two best logits lie closest; "loss": the token the target likes least), and
+    continues greedily from there; its counters are a correct DFlash's along its own tokens."""
+
+    kind = "vllm"
+
+    def __init__(self, target, draft, mode: str):
+        self.target, self.draft, self.mode, self.url, self.calls = target, draft, mode, "http://made-up", 0
+
+    def info(self):
+        from patcher.referee.engines import EngineInfo
+
+        return EngineInfo("vllm", self.url, model="made-up", context_length=4096, dtype="bfloat16", dtype_source="test")
+
+    def check_tokenizer(self, text, ids):
+        pass
+
+    def generate(self, prompt, n):
+        from patcher.referee.reference import along, engine_rounds
+        from patcher.referee.ties import forward
+
+        seq, part = list(prompt), None
+        if self.calls == 0 and self.mode:
+            greedy = list(prompt)
+            for _ in range(n):
+                greedy.append(int(forward(self.target, greedy)[-1].argmax()))
+            rows = forward(self.target, greedy)[len(prompt) - 1 : -1]
+            top = rows.topk(2, dim=-1)
+            margins = (top.values[:, 0] - top.values[:, 1])[2 : n - 6]
+            part = 2 + int(margins.argmin()) if self.mode == "tie" else 3
+            pick = int(top.indices[part, 1]) if self.mode == "tie" else int(rows[part].argmin())
+            seq = greedy[: len(prompt) + part] + [pick]
+        self.calls += 1
+        while len(seq) < len(prompt) + n:
+            seq.append(int(forward(self.target, seq)[-1].argmax()))
+        got = seq[len(prompt):]
+        at = along(self.target, self.draft, list(prompt), got, [8], 0.0).methods["dflash"]["at"]
+        rounds = engine_rounds(at, n)
+        acc = Acceptance(drafted=None, accepted=sum(rounds) - len(rounds), rounds=len(rounds), rounds_exact=True, source="made up")
+        return EngineAnswer(engine="vllm", api="made-up", output_ids=got, text="", finish="length", prompt_tokens=len(prompt),
+                            counters={"part": part}, acceptance=acc)
+
+
+@pytest.mark.parametrize("mode", ["tie", "loss"])
+def test_the_referee_on_the_shipped_pair_passes_a_near_tie_and_fails_a_loss(monkeypatch, mode):
+    from patcher.referee import engines, run
+    from patcher.referee.reference import load_pair
+    from patcher.verify.models.trained import FOLDER_PRESETS
+
+    target, draft = map(str, FOLDER_PRESETS["trained-qwen3_5"])
+    engine = MadeUpEngine(*load_pair(target, draft), mode)
+    monkeypatch.setattr(engines, "connect", lambda *a, **k: engine)
+    result = run.referee("http://made-up", target, draft, prompts=2, max_new_tokens=24, budgets=(8,))
+    v, first = result["verdict"], result["per_prompt"][0]
+    assert result["engine_precision"] == {"dtype": "bfloat16", "source": "test", "quantized": None}
+    assert first["identical"] is False and first["divergence"]["at"] >= 2, first
+    if mode == "tie":
+        assert first["tokens"] == "near-tie" and first["divergence"]["margin"] <= first["divergence"]["tolerance"], first
+        assert first["reference_along"] == "engine" and first["engine"] == pytest.approx(first["reference"])
+        assert v["passed"] and v["near_ties"] == [0] and "at a near-tie" in v["line"], v
+    else:
+        assert first["tokens"] == "differs" and first["divergence"]["margin"] > 1.0, first
+        assert not v["passed"] and v["kind"] == "not lossless" and "outside every tolerance" in v["line"], v

@@ -50,6 +50,7 @@ class Divergence:
     reason: str = ""
     near_ties: list[dict] = field(default_factory=list)  # every emitted position off its argmax (position, gap)
     worst: dict | None = None
+    dtype_measure: dict | None = None  # how the dtype's tolerance was measured (``dtype_tolerance``'s answer)
 
     @property
     def ok(self) -> bool:
@@ -171,6 +172,7 @@ def check_divergences(target, draft, refs, answers, epsilon: float, budgets, sto
             measured = dtype_tolerance(target, sequence, len(ref.ids), dtype if dtype and not quantized else COARSEST, full)
         div = judge(full, len(ref.ids), list(ref.greedy), list(got), epsilon, dtype=dtype, dtype_tolerance=measured["tolerance"],
                     quantized=quantized, mask_token_id=mask_token_id, stop_ids=stop_ids, max_new_tokens=max_new_tokens)
+        div.dtype_measure = measured
         found[i] = div
         if div.ok:
             walks[i] = along(target, draft, list(ref.ids), list(got), budgets, epsilon, stop_ids)
