@@ -140,6 +140,11 @@ def _derived_note(rows: list[dict], engine_kind: str) -> str:
     return f"; counts derived on prompt(s) {names}, {how} ({EXACT_FLAG.get(engine_kind, 'exact counters')} counts them)"
 
 
+def gap(r: dict) -> list:
+    """A prompt's (lowest, highest) tokens a round, for every value its counts may have."""
+    return r["engine_range"] or [r["engine"]] * 2
+
+
 def verdict(rows: list[dict], engine_kind: str) -> dict:
     """The one line, and the exit code it means: 0 the engine reaches a correct DFlash's acceptance and is exact (or
     parts from the float32 greedy only at near-ties), 1 a finding (not lossless, loses acceptance, counts more than a
@@ -175,7 +180,6 @@ def verdict(rows: list[dict], engine_kind: str) -> dict:
         r["below"], r["above"] = r["counts"] == "below", r["counts"] == "above"
     below = [r for r in rows if r["below"]]
     above = [r for r in rows if r["above"]]
-    gap = lambda r: (r["engine_range"] or [r["engine"]] * 2)  # noqa: E731
     if below and above:
         worst_low = max(below, key=lambda r: r["floor"] - gap(r)[1])
         worst_high = max(above, key=lambda r: gap(r)[0] - r["ceiling"])
@@ -273,4 +277,4 @@ def referee(engine_url: str, target: str, draft: str, *, records=None, source=No
             "verdict": result, "seconds": round(time.perf_counter() - started, 2)}
 
 
-__all__ = ["referee", "verdict", "judge_prompt", "judge_counts", "RefereeError"]
+__all__ = ["RefereeError", "judge_counts", "judge_prompt", "referee", "verdict"]
