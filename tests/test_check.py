@@ -66,10 +66,12 @@ def test_outcome_reads_its_rows_as_checks():
 def test_every_format_renders_a_check_by_its_status():
     from patcher.report.html import render_html
     from patcher.report.json_report import verify_verdict_word
-    from patcher.report.text import _mark, verify_verdict
+    from patcher.report.text import _evidence, _mark, verify_verdict
 
     assert [_mark(Check.from_json(r)) for r in ROWS[:5]] == [
         "[green]pass[/]", "[bold red]FAIL[/]", "[bold red]FAIL[/]", "[blue]info[/]", "[cyan]control[/]"]
+    crashed = Check.of("warms up", passed=False, error="E", frame="a.py:3", hint="crop", inside="in f", evidence="boom")
+    assert _evidence(crashed) == "boom (at a.py:3) - hint: recipe step crop - in f"
     inconclusive = Outcome({"checks": [], "models": [{"model": "m", "checks": [ROWS[0], ROWS[1]]}]}, 1.0)
     assert verify_verdict_word(inconclusive) == "inconclusive"
     assert verify_verdict(inconclusive).startswith("[bold yellow]INCONCLUSIVE[/]: inconclusive")

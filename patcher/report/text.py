@@ -359,11 +359,11 @@ def _evidence(check: Check) -> str:
         text = text.get("error") or json.dumps(text)
     text = str(text)
     if check.get("frame"):
-        text += f" (at {check['frame']})"
+        text += f" (at {check.get('frame')})"
     if check.get("hint"):
-        text += f" - hint: recipe step {check['hint']}"
+        text += f" - hint: recipe step {check.get('hint')}"
     if check.get("inside"):
-        text += f" - {check['inside']}"
+        text += f" - {check.get('inside')}"
     return text
 
 
