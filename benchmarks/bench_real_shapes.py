@@ -38,7 +38,7 @@ are set by hand to propose the anchor token at every block position (kept in its
 ``--judged-drafter random`` judges the random drafter on the scripted run's target instead.
 
 ``--profile`` runs the same verify in one process of its own (the verifier's ``worker.run``, imported as
-``patcher.verify.process.worker``, on the same settings) with timing wrappers on the verifier's named steps
+``patcher.verify.child.worker``, on the same settings) with timing wrappers on the verifier's named steps
 (``PROFILED``; a name this checkout lacks is listed as absent) and hooks on the target, and prints per
 step: calls, seconds (inclusive: a step's time holds the steps it calls), the target forwards it ran
 directly (count, tokens fed, logits rows computed, seconds in them and in the LM head), and how much it
@@ -180,7 +180,7 @@ def profile_child(cfg: dict) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    worker = importlib.import_module("patcher.verify.process.worker")
+    worker = importlib.import_module("patcher.verify.child.worker")
     stats: dict[str, dict] = {}
     stack: list[str] = []
 

@@ -11,7 +11,7 @@ before and after, with the logits oracle's largest |logit difference|. Then it t
 
 ``--warm`` times ``run_verify`` on the full-recipe tree instead, in this process: a fresh
 child per verify (what one ``ddpatch verify`` does) against children forked from one warm
-verifier (what ``ddpatch ci --verify`` and the test suite do; ``patcher/verify/process/warm.py``).
+verifier (what ``ddpatch ci --verify`` and the test suite do; ``patcher/verify/child/warm.py``).
 The first forked verify, which waits for the warm process's own imports, is shown apart.
 It also checks that the two give the same result, timings aside.
 """

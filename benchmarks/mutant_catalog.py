@@ -371,13 +371,13 @@ MUTANTS = [
            "    if not modules or all(i < len(layers) and _is_linear_layer(layers[i]) for i, _ in modules):\n",
            "    if not modules:\n", "a cache already laid out for the target is laid out again"),
     # ------------------------------------------------------------------ the warm verifier
-    Mutant("M1", "warm", "patcher/verify/process/warm.py", "    if asked != started_env:\n", "    if False:\n",
+    Mutant("M1", "warm", "patcher/verify/child/warm.py", "    if asked != started_env:\n", "    if False:\n",
            "a request whose import-time environment differs is served by the fork (its verdict may differ)"),
-    Mutant("M2", "warm", "patcher/verify/process/warm.py", "    _own_group(pid)\n    try:\n        conn.sendall(", "    try:\n        conn.sendall(",
+    Mutant("M2", "warm", "patcher/verify/child/warm.py", "    _own_group(pid)\n    try:\n        conn.sendall(", "    try:\n        conn.sendall(",
            "the pid is answered before the child leads its group (a timeout's killpg may miss it)"),
-    Mutant("M3", "warm", "patcher/verify/process/warm.py", "    if request.get(\"worker\") != worker:\n", "    if False:\n",
+    Mutant("M3", "warm", "patcher/verify/child/warm.py", "    if request.get(\"worker\") != worker:\n", "    if False:\n",
            "a request from another ddpatch checkout is served by this one's fork"),
-    Mutant("M4", "warm", "patcher/verify/process/warm.py", "    if request.get(\"executable\") != sys.executable:\n", "    if False:\n",
+    Mutant("M4", "warm", "patcher/verify/child/warm.py", "    if request.get(\"executable\") != sys.executable:\n", "    if False:\n",
            "a request from another Python is served by this one's fork"),
     # ------------------------------------------------------------------ runtime safety: each item of test_runtime_safety
     Mutant("S7", "runtime_safety", RUNTIME, "        if holder is not None and holder != me:\n", "        if False:\n",

@@ -2,11 +2,12 @@
 
 The engine returns a ``Report`` (per step and anchor a status, with the ``Site``s behind it,
 per file the new text); ``verify`` an ``Outcome`` (the child's result dict and its
-checks); ``ci`` a ``CIResult`` (a ``CommitEval`` per evaluated commit and a ``Finding`` per
+checks, each a ``Check``: ``patcher/verify/check.py``, re-exported here); ``ci`` a ``CIResult`` (a ``CommitEval`` per evaluated commit and a ``Finding`` per
 status change). They are data: no I/O, no rendering. Each ``as_dict`` is its plain-data
 form (what the JSON report prints and what ``ci`` stores per commit).
 
-Imports: stdlib and ``patcher.__version__`` only.
+Imports: stdlib, ``patcher.__version__`` and ``Check`` (a stdlib-only module that lies in ``verify/`` so that the
+verifier's child loads it too).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
+from .verify.check import CONTROL, FAIL, INCONCLUSIVE, INFO, PASS, SKIP, WARNING, Check  # noqa: F401  (re-exported)
 
 # ----------------------------------------------------------------------------- statuses
 APPLIED = "applied"
@@ -264,12 +266,18 @@ class Outcome:
 
     @property
     def checks(self) -> list[dict]:
+        """Every check row as JSON, the run's own then each model's (live: ``api`` settles hints into them)."""
         return list(self.result.get("checks", [])) + [c for m in self.result.get("models", []) for c in m["checks"]]
 
     @property
+    def typed_checks(self) -> list[Check]:
+        """Every check, typed: what the renderers read."""
+        return [Check.from_json(c) for c in self.checks]
+
+    @property
     def passed(self) -> bool:
-        checks = self.checks
-        return bool(checks) and all(c["passed"] for c in checks) and not self.result.get("fatal")
+        checks = self.typed_checks
+        return bool(checks) and all(c.passed for c in checks) and not self.result.get("fatal")
 
 
 @dataclass
@@ -319,6 +327,11 @@ class CommitEval:
     def no_match(self) -> list[str]:
         """Steps that fail here: no-match, or not checked because a file they need was skipped."""
         return [sid for sid, s in self.steps.items() if s["status"] not in GREEN]
+
+    @property
+    def verify_checks(self) -> list[Check]:
+        """The verify summary's checks (each names its ``model``), typed."""
+        return [Check.from_json(c) for c in (self.verify or {}).get("checks", [])]
 
     @property
     def verify_failed(self) -> bool:

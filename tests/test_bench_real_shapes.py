@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from patcher.verify.process import worker
+from patcher.verify.child import worker
 from patcher.verify.process.runner import VerifyError, child_config
 
 ROOT = Path(__file__).resolve().parent.parent

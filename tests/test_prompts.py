@@ -249,7 +249,7 @@ def test_a_prompt_longer_than_the_context_is_refused_by_its_line_before_any_is_r
 
 def test_the_childs_value_error_becomes_one_fatal_line(tmp_path, plain_tokenizer, monkeypatch, capsys):
     """The child reports a ValueError as ``fatal`` (``worker.answer``), which the parent turns into one line and exit 2."""
-    from patcher.verify.process import worker
+    from patcher.verify.child import worker
 
     recs = records(tmp_path, [{"turns": ["short"]}, {"turns": [" ".join(["x"] * 5000)]}])
     monkeypatch.setattr(worker, "run", lambda cfg: {"ids": P.tokenize_records(cfg["prompt_records"], plain_tokenizer, 2048, 64)})

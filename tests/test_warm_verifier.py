@@ -1,6 +1,6 @@
 """The warm verifier (``patcher.verify.process.runner.warm_verifier``) stands in for a fresh process
 exactly: the same verdicts, no state carried from one tree to the next, and a fresh process
-whenever it cannot serve a request the same way (see ``patcher/verify/process/warm.py``).
+whenever it cannot serve a request the same way (see ``patcher/verify/child/warm.py``).
 
 The rest of the suite runs its verifies through one (tests/conftest.py). These tests use the
 session's where there is one, run without it to compare, and start their own to kill it.
@@ -134,7 +134,7 @@ def test_the_answered_child_already_leads_its_group(tmp_path, monkeypatch):
     import socket
     from types import SimpleNamespace
 
-    from patcher.verify.process import warm
+    from patcher.verify.child import warm
 
     server_pid = os.getpid()
 
@@ -214,7 +214,7 @@ def _cmdline(pid: str) -> str:
 def test_a_refusal_names_another_checkout_another_python_or_an_import_time_variable():
     """Only a request from this ddpatch, this Python and the same import-time environment is forked; any
     other gets the reason it goes to a fresh process (the variables that differ by name)."""
-    from patcher.verify.process import warm
+    from patcher.verify.child import warm
 
     started = warm.import_time_env({"OMP_NUM_THREADS": "1", "HOME": "/a"})
     same = {"worker": "/w/worker.py", "executable": sys.executable, "env": {"OMP_NUM_THREADS": "1", "HOME": "/b"}}
@@ -340,7 +340,7 @@ def test_the_server_exits_when_its_pipe_closes_and_when_idle(tmp_path):
     with ``DDPATCH_WARM_IDLE`` it also ends on its own after that many seconds without a request."""
     import socket
 
-    from patcher.verify.process import warm
+    from patcher.verify.child import warm
 
     servers = {}
     for name, idle in (("pipe", "0"), ("idle", "1")):

@@ -15,7 +15,9 @@ dependency). The checks:
   transformers only inside a function (it is copied into patched trees, whose code runs
   transformers anyway), and its own modules only relatively (the copy has no ``patcher``);
   its modules stay under ``RUNTIME_MAX_LINES`` lines;
-* the verifier's child modules import nothing of ``patcher`` outside ``patcher.verify``;
+* the verifier's child modules (all of ``patcher.verify`` but the parent's folder, ``process/``) import nothing of
+  ``patcher`` outside ``patcher.verify`` (they import each other by ordinary relative imports, which it sees);
+* a shared leaf (``SHARED_LEAVES``: ``verify/check.py``, the one ``Check`` type) imports only the stdlib;
 * the ``referee`` imports only the stdlib at module level (``STDLIB_AT_TOP``: torch only inside a function);
 * no module is over ``MAX_LINES`` lines;
 * each subpackage's ``__init__`` is a docstring of two lines: what it is for, what it may import.
@@ -46,6 +48,7 @@ LAYERS = [
     ("generation",),
     ("report",),
     ("results", "errors", "env"),
+    ("check",),
     ("__init__",),
 ]
 #: What each package may import besides itself (what its ``__init__`` says): a lower layer is not
@@ -61,11 +64,12 @@ MAY_IMPORT = {
     # decoders on check's), so that neither imports the other and api only calls
     "ci": {"engine", "verify", "results", "errors", "__init__"},
     "engine": {"results", "errors", "__init__"},
-    "verify": {"results", "errors", "lossless", "__init__"},  # lossless: for `verify --generate`
+    "verify": {"check", "results", "errors", "lossless", "__init__"},  # lossless: for `verify --generate`
     "referee": {"verify", "results", "errors", "__init__"},  # engines' clients and counters (stdlib HTTP, no torch on import);
     # verify: the reference decoders, imported inside functions
     "report": {"results", "env", "__init__"},  # env: the verify header names where transformers stands
-    "results": {"__init__"},
+    "results": {"check", "__init__"},  # check: re-exported (the renderers' one check type)
+    "check": set(),  # patcher/verify/check.py: the one Check type (stdlib only; see SHARED_LEAVES)
     "errors": set(),
     "env": set(),  # installed versions against the tested ranges (stdlib; torch inside a function)
     "__init__": set(),
@@ -78,10 +82,18 @@ MAY_IMPORT = {
 LAZY_EXPORTS = {("__init__", "lossless")}
 STANDALONE = ("runtime",)  # imports nothing of patcher, and nothing imports it as code
 IN_PROCESS = ("lossless", "generation")  # ...but these, which run it in the user's own process (generate() made exact)
-#: patcher.verify's modules that run in the parent only; every other one may run in the verifier's child
-PARENT_ONLY = ("patcher.verify.process.runner", "patcher.verify.judge.generate_mode")  # generate_mode: in-process --generate
+#: The line between the verifier's two processes is a folder: ``verify/process/`` is the parent (it starts the child,
+#: reads its events, tells how it died, merges the results) and may import outside ``patcher.verify``; every other
+#: module may run in the child (``verify/child/`` is its entry), so it imports nothing of patcher outside it.
+PARENT_FOLDER = "patcher.verify.process"
+#: ... and one module outside that folder that runs in the CLI's process: ``verify --generate`` (in process).
+PARENT_ONLY = ("patcher.verify.judge.generate_mode",)
+#: Modules that lie inside a package's folder but are a unit of their own on the bottom layer: the verifier's child
+#: loads ``patcher/verify`` as a private package, so the one ``Check`` type that its oracles make and the renderers
+#: read lies there; it imports only the stdlib (checked), and ``results`` re-exports it for the renderers.
+SHARED_LEAVES = {"patcher.verify.check": "check"}
 #: patcher.verify's own floors, top first: a sub-package imports only lower floors (or itself)
-VERIFY_FLOORS = [("process",), ("judge",), ("subjects", "models"), ("plumbing",)]
+VERIFY_FLOORS = [("process",), ("child",), ("judge",), ("subjects", "models"), ("plumbing",)]
 MAX_LINES = 500
 RUNTIME_MAX_LINES = 400  # the runtime is read by the users whose trees carry it
 RUNTIME_ALLOWED = {"torch"}
@@ -123,9 +135,6 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> tuple[set[str], se
             for alias in node.names:
                 sub = f"{mod}.{alias.name}"
                 targets.append(sub if sub in known else mod)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "sibling" and node.args \
-                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
-            targets.append(f"{here}.{node.args[0].value}")  # verify.process.worker loads its siblings by name (see child_package)
         for t in targets:
             if t == PACKAGE or t.startswith(PACKAGE + "."):
                 while t not in known and "." in t:
@@ -139,6 +148,8 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> tuple[set[str], se
 
 def unit(module: str) -> str:
     """The package a module belongs to: ``patcher.engine.codemods.crop`` -> ``engine``; ``patcher`` -> ``__init__``."""
+    if module in SHARED_LEAVES:
+        return SHARED_LEAVES[module]
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 
@@ -224,7 +235,8 @@ def analyse(root: Path = ROOT) -> dict:
                 violations.append(f"{a} imports {b}: {ua} (layer {layer_of[ua]}) may import only lower layers, not {ub} (layer {layer_of[ub]})")
             elif ub != ua and ub not in MAY_IMPORT.get(ua, set()):
                 violations.append(f"{a} imports {b}: {ua} may import only {', '.join(sorted(MAY_IMPORT.get(ua, ()))) or 'nothing of patcher'}")
-            if ua == "verify" and a not in PARENT_ONLY and ub != "verify":
+            in_parent = a.startswith(PARENT_FOLDER + ".") or a in PARENT_ONLY
+            if ua == "verify" and not in_parent and ub not in ("verify", *SHARED_LEAVES.values()):
                 violations.append(f"{a} imports {b}: the verifier's child modules import nothing of patcher outside patcher.verify")
             if ua == ub == "verify":
                 why = verify_floor_violation(a, b)
@@ -260,6 +272,11 @@ def analyse(root: Path = ROOT) -> dict:
                 where = "at module level" if ext in top_level else "anywhere"
                 violations.append(f"{name} imports {ext} {where}: {unit(name)} imports only the stdlib at module level"
                                   f" ({', '.join(sorted(STDLIB_AT_TOP[unit(name)]))} inside a function)")
+    for name in sorted(SHARED_LEAVES):
+        if name in known:
+            violations += [f"{name} imports {ext}: a shared leaf imports only the stdlib (the child and the renderers load it)"
+                           for ext in sorted(external.get(name, ())) if ext not in stdlib]
+            violations += [f"{name} imports {b}: a shared leaf imports nothing of patcher" for b in sorted(graph.get(name, ()))]
     for name, path in known.items():
         lines = len(path.read_text(encoding="utf-8").splitlines())
         if lines > MAX_LINES:

@@ -13,7 +13,7 @@ The pipeline:
     -> run_recipe -> [write the patched tree, run_verify] -> bisect per step -> render
 
 With ``--verify`` over more than one commit, every commit's verify is forked from one warm
-verifier (``patcher/verify/process/warm.py``): torch and transformers are imported once per run,
+verifier (``patcher/verify/child/warm.py``): torch and transformers are imported once per run,
 not once per commit, and each tree is still judged in a process of its own.
 
 Every commit of a short range is evaluated, and a step changed at a commit when its status

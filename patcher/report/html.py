@@ -12,7 +12,7 @@ from __future__ import annotations
 import html
 import math
 
-from ..results import Outcome
+from ..results import CONTROL, FAIL, INCONCLUSIVE, INFO, PASS, SKIP, WARNING, Check, Outcome
 
 #: the |Δlogit| plot: its size and margins (the right one holds the "tolerance" / "noise floor" labels)
 W, H, PAD, RIGHT = 680, 220, 46, 84
@@ -78,9 +78,9 @@ def acceptance_svg(methods: list[dict], checks: list[dict] | None = None) -> str
     drafted = [m for m in methods if m.get("acceptance_histogram")]
     if not drafted:
         return "<p>no acceptance lengths</p>"
-    judged = {c["check"].split(": ", 1)[1]: c for c in checks or [] if c["check"].startswith("acceptance: ")}
+    judged = {c.name.split(": ", 1)[1]: c for c in checks or [] if c.name.startswith("acceptance: ")}
     hists = [{int(k): v for k, v in m["acceptance_histogram"].items()} for m in drafted]
-    references = [c["reference_mean"] for c in judged.values() if c.get("reference_mean")]
+    references = [c.get("reference_mean") for c in judged.values() if c.get("reference_mean")]
     longest = max([max(h) for h in hists] + [math.ceil(r) for r in references])  # the same lengths in every panel
     top = max(v / sum(h.values()) for h in hists for v in h.values())
     top = min(1.0, math.ceil(top * 1.1 * 10) / 10)  # the shared y scale: headroom, rounded up to a tenth
@@ -124,7 +124,7 @@ def acceptance_svg(methods: list[dict], checks: list[dict] | None = None) -> str
     return "".join(parts)
 
 
-def rounds_svg(check: dict) -> str:
+def rounds_svg(check: Check) -> str:
     """One method's judged rounds, prompt after prompt: what it accepted (a dot: red where no correct decoder could
     from that start) against what a correct one reaches from the same start (a grey band: the reachable set, from
     ddpatch's reference)."""
@@ -139,7 +139,7 @@ def rounds_svg(check: dict) -> str:
         return head + plot_h * (1 - v / top)
 
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{head + plot_h + 34}" role="img" '
-             f'aria-label="acceptance per round against the reference for {_e(check["check"])}">',
+             f'aria-label="acceptance per round against the reference for {_e(check.name)}">',
              f'<rect x="{left}" y="{head}" width="{plot_w}" height="{plot_h}" fill="#fafafa" stroke="#ccc"/>']
     for tick in range(0, top + 1, max(1, top // 4)):
         parts.append(f'<text x="{left - 4}" y="{y(tick) + 3:.1f}" font-size="9" text-anchor="end">{tick}</text>')
@@ -162,16 +162,16 @@ def rounds_svg(check: dict) -> str:
     return "".join(parts)
 
 
-def budgets_svg(checks: list[dict]) -> str:
+def budgets_svg(checks: list[Check]) -> str:
     """Acceptance by tree budget against DFlash's: the tree's mean at each budget and the reference's (what a correct
     DDTree reaches with the pair), DFlash's as a line across."""
-    rows = {c["check"].split(": ", 1)[1]: c for c in checks if c["check"].startswith("acceptance: ") and c.get("judged_mean")}
+    rows = {c.name.split(": ", 1)[1]: c for c in checks if c.name.startswith("acceptance: ") and c.get("judged_mean")}
     trees = sorted(((int(n.rsplit("tb", 1)[1]), c) for n, c in rows.items() if n.startswith("ddtree_tb") and n.rsplit("tb", 1)[1].isdigit()))
     if not trees:
         return ""
     chain = rows.get("dflash")
-    values = [c["judged_mean"] for _, c in trees] + [c.get("reference_mean") or 0 for _, c in trees]
-    values += [chain["judged_mean"], chain.get("reference_mean") or 0] if chain else []
+    values = [c.get("judged_mean") for _, c in trees] + [c.get("reference_mean") or 0 for _, c in trees]
+    values += [chain.get("judged_mean"), chain.get("reference_mean") or 0] if chain else []
     top = math.ceil(max(values) + 0.5)
     left, head, plot_w, plot_h = 40, 14, W - 40 - 120, 140
 
@@ -187,13 +187,13 @@ def budgets_svg(checks: list[dict]) -> str:
     for tick in range(0, top + 1):
         parts.append(f'<text x="{left - 4}" y="{y(tick) + 3:.1f}" font-size="9" text-anchor="end">{tick}</text>')
     if chain:
-        for value, dash, label in ((chain["judged_mean"], "", "DFlash"), (chain.get("reference_mean"), "4,2", "correct DFlash")):
+        for value, dash, label in ((chain.get("judged_mean"), "", "DFlash"), (chain.get("reference_mean"), "4,2", "correct DFlash")):
             if value:
                 parts.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{y(value):.1f}" y2="{y(value):.1f}" stroke="#e67e22" '
                              f'stroke-dasharray="{dash}"/><text x="{left + plot_w + 4}" y="{y(value) + 3:.1f}" font-size="10" '
                              f'fill="#e67e22">{label} {value:.2f}</text>')
     for key, colour, dash in (("reference_mean", "#888", "4,2"), ("judged_mean", "#36c", "")):
-        pts = [(x(i), y(c[key])) for i, (_, c) in enumerate(trees) if c.get(key)]
+        pts = [(x(i), y(c.get(key))) for i, (_, c) in enumerate(trees) if c.get(key)]
         if len(pts) > 1:
             parts.append(f'<polyline points="{" ".join(f"{a:.1f},{b:.1f}" for a, b in pts)}" fill="none" stroke="{colour}" '
                          f'stroke-dasharray="{dash}"/>')
@@ -203,6 +203,11 @@ def budgets_svg(checks: list[dict]) -> str:
     parts.append(f'<text x="{left}" y="{head + plot_h + 28}" font-size="10">mean tokens per judged round by tree budget: the '
                  "tree (blue), a correct DDTree with this pair (grey), DFlash (orange)</text></svg>")
     return "".join(parts)
+
+
+#: How the HTML report shows each status (``Check.status``): its word and its CSS class (a control row shows as a pass).
+_MARKS = {PASS: ("pass", "pass"), FAIL: ("FAIL", "fail"), INCONCLUSIVE: ("inconclusive", "inc"), CONTROL: ("pass", "pass"),
+          INFO: ("info", "info"), SKIP: ("skip", "info"), WARNING: ("warn", "info")}
 
 
 def render_html(outcome: Outcome, verdict: str) -> str:
@@ -229,21 +234,20 @@ def render_html(outcome: Outcome, verdict: str) -> str:
             out.append(f"<p>noise floor {cal['floor']:.2e} ({_e(cal['dtype'])}) × {cal['multiple']:g} = tolerance {tolerance:.2e}"
                        f"{' (set by --logit-tolerance)' if cal.get('override') is not None else ''}; near-tie ε {cal['epsilon']:.2e}</p>")
         out.append("<table><tr><th>check</th><th>result</th><th>evidence</th></tr>")
-        for c in m["checks"]:
-            mark = ("info" if c.get("info") else "skip" if c.get("skipped") else "warn" if c.get("warning") else "pass") if c["passed"] else (
-                "inconclusive" if c.get("inconclusive") else "FAIL")
-            css = ("info" if c.get("info") or c.get("skipped") or c.get("warning") else "pass") if c["passed"] else ("inc" if c.get("inconclusive") else "fail")
-            out.append(f"<tr><td>{_e(c['check'])}</td><td class='{css}'>{mark}</td><td>{_e(c.get('evidence', ''))}</td></tr>")
+        checks = [Check.from_json(c) for c in m["checks"]]
+        for c in checks:
+            mark, css = _MARKS[c.status]
+            out.append(f"<tr><td>{_e(c.name)}</td><td class='{css}'>{mark}</td><td>{_e(c.get('evidence', ''))}</td></tr>")
         out.append("</table>")
         if m.get("methods"):
-            out.append("<h3>acceptance lengths, every method on one scale</h3>" + acceptance_svg(m["methods"], m["checks"]))
-        by_budget = budgets_svg(m["checks"])
+            out.append("<h3>acceptance lengths, every method on one scale</h3>" + acceptance_svg(m["methods"], checks))
+        by_budget = budgets_svg(checks)
         if by_budget:
             out.append("<h3>acceptance by tree budget, against DFlash</h3>" + by_budget)
-        for c in m["checks"]:
-            picture = rounds_svg(c) if c["check"].startswith("acceptance: ") else ""
+        for c in checks:
+            picture = rounds_svg(c) if c.name.startswith("acceptance: ") else ""
             if picture:
-                out.append(f"<h3>{_e(c['check'])}: every round against a correct decoder's from the same start</h3>" + picture)
+                out.append(f"<h3>{_e(c.name)}: every round against a correct decoder's from the same start</h3>" + picture)
         for s in m.get("methods", []):
             out.append(f"<h3>{_e(s['method'])}: {s.get('identical_runs', 0)}/{len(s.get('runs', []))} identical, "
                        f"{s.get('near_ties', 0)} near-tie(s)</h3>")

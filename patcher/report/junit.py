@@ -46,13 +46,14 @@ def render_junit(result: CIResult) -> str:
                 ET.SubElement(case, "skipped", message=v.get("skipped", "not run"))
                 counts["tests"] += 1
                 counts["skipped"] += 1
-            for c in v.get("checks", []):
-                case = ET.SubElement(suite, "testcase", classname=f"{classname}.verify", name=f"{c['model']}: {c['check']}", time="0")
+            for c in ev.verify_checks:
+                case = ET.SubElement(suite, "testcase", classname=f"{classname}.verify", name=f"{c.get('model')}: {c.name}", time="0")
                 counts["tests"] += 1
-                if c["passed"]:
-                    ET.SubElement(case, "system-out").text = c.get("evidence", "")
+                evidence = c.get("evidence", "")
+                if c.passed:
+                    ET.SubElement(case, "system-out").text = evidence
                 else:
-                    ET.SubElement(case, "failure", message=str(c.get("evidence", ""))[:1000], type="verify").text = str(c.get("evidence", ""))
+                    ET.SubElement(case, "failure", message=str(evidence)[:1000], type="verify").text = str(evidence)
                     counts["failures"] += 1
         suite.set("tests", str(counts["tests"]))
         suite.set("failures", str(counts["failures"]))

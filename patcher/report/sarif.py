@@ -76,10 +76,10 @@ def render_sarif(result: CIResult) -> dict:
                 "properties": {"commit": tip.sha, "function": a.get("function"), "upstream": tip.upstream},
             })
     if result.verify and tip.verify_failed:
-        for c in (tip.verify or {}).get("checks", []):
-            if not c["passed"]:
+        for c in tip.verify_checks:
+            if not c.passed:
                 results.append({"ruleId": "verify", "ruleIndex": index["verify"], "level": "error",
-                                "message": {"text": f"verify {c['model']}: {c['check']}: {c['evidence']}"},
+                                "message": {"text": f"verify {c.get('model')}: {c.name}: {c.evidence}"},
                                 "locations": [_recipe_location(recipe, None)],
                                 "properties": {"commit": tip.sha}})
     upstream = recipe.upstreams.get(result.forced_upstream or tip.upstream or "")

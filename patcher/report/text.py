@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from ..results import ALREADY_APPLIED, APPLIED, EXIT_OK, FIXED_UPSTREAM, LAYOUT, NO_MATCH, PENDING, SKIPPED, ApplyResult, CIResult, Outcome, Report, StepDoc
+from ..results import CONTROL, FAIL, INCONCLUSIVE, INFO, PASS, SKIP, WARNING, Check
 from .console import console, print_table
 from .refusals import error_lines  # noqa: F401  (the CLI imports it from here)
 
@@ -263,11 +264,11 @@ def render_verify(outcome: Outcome, color: str = "auto") -> None:
     checks = Table(box=None, header_style="bold", pad_edge=False)
     for col in ("model", "check", "result", "evidence"):
         checks.add_column(col, overflow="fold")
-    for c in res.get("checks", []):
-        checks.add_row("-", c["check"], _mark(c["passed"], c.get("control"), c.get("skipped"), c.get("info"), c.get("warning")), _evidence(c))
+    for c in map(Check.from_json, res.get("checks", [])):
+        checks.add_row("-", c.name, _mark(c), _evidence(c))
     for m in res.get("models", []):
-        for c in m["checks"]:
-            checks.add_row(m["model"], c["check"], _mark(c["passed"], c.get("control"), c.get("skipped"), c.get("info"), c.get("warning")), _evidence(c))
+        for c in map(Check.from_json, m["checks"]):
+            checks.add_row(m["model"], c.name, _mark(c), _evidence(c))
     print_table(con, checks)
     for m in res.get("models", []):
         if not m.get("methods"):
@@ -331,41 +332,38 @@ def verify_verdict(outcome: Outcome) -> str:
     """PASS, FAIL, or INCONCLUSIVE (only inconclusive checks failed: never a pass)."""
     if outcome.passed:
         return "[bold green]PASS[/]: every check passed"
-    failed = [c for c in outcome.checks if not c["passed"]]
-    if failed and all(c.get("inconclusive") for c in failed):
-        command = next((c["float32_command"] for c in failed if c.get("float32_command")), None)
-        text = "; ".join(dict.fromkeys(c["evidence"].split(":")[0] for c in failed))
+    failed = [c for c in outcome.typed_checks if not c.passed]
+    if failed and all(c.status == INCONCLUSIVE for c in failed):
+        command = next((c.get("float32_command") for c in failed if c.get("float32_command")), None)
+        text = "; ".join(dict.fromkeys(c.evidence.split(":")[0] for c in failed))
         return "[bold yellow]INCONCLUSIVE[/]: " + text + (f"; judge it in float32: {command}" if command else "")
     return "[bold red]FAIL[/]: see the failed checks above"
 
 
-def _mark(passed: bool, control: bool = False, skipped: bool = False, info: bool = False, warning: bool = False) -> str:
+#: How the text report shows each status (``Check.status``).
+_MARKS = {PASS: "[green]pass[/]", FAIL: "[bold red]FAIL[/]", INCONCLUSIVE: "[bold red]FAIL[/]", CONTROL: "[cyan]control[/]",
+          INFO: "[blue]info[/]", SKIP: "[yellow]skip[/]", WARNING: "[yellow]warn[/]"}
+
+
+def _mark(check: Check) -> str:
     """pass / FAIL; a control row (it passes whatever it shows, e.g. verify --generate's native run) says so, and
     so does a check that could not judge (the drafter oracle on a drafter it cannot bind: ``skip``, never a pass),
     and a figure reported with nothing to judge it against (acceptance without a stored floor: ``info``), and a
     finding that does not fail the verdict (code no run executed, none of it able to change tokens: ``warn``)."""
-    if control and passed:
-        return "[cyan]control[/]"
-    if info and passed:
-        return "[blue]info[/]"
-    if skipped and passed:
-        return "[yellow]skip[/]"
-    if warning and passed:
-        return "[yellow]warn[/]"
-    return "[green]pass[/]" if passed else "[bold red]FAIL[/]"
+    return _MARKS[check.status]
 
 
-def _evidence(check: dict) -> str:
+def _evidence(check: Check) -> str:
     text = check.get("evidence", "")
     if isinstance(text, dict):  # an error summary: show its message
         text = text.get("error") or json.dumps(text)
     text = str(text)
     if check.get("frame"):
-        text += f" (at {check['frame']})"
+        text += f" (at {check.get('frame')})"
     if check.get("hint"):
-        text += f" - hint: recipe step {check['hint']}"
+        text += f" - hint: recipe step {check.get('hint')}"
     if check.get("inside"):
-        text += f" - {check['inside']}"
+        text += f" - {check.get('inside')}"
     return text
 
 
@@ -423,11 +421,11 @@ def render_ci(result: CIResult) -> str:
     if result.verify:
         for ev in result.evaluated:
             v = ev.verify or {}
-            failed = [c for c in v.get("checks", []) if not c["passed"]]
+            failed = [c for c in ev.verify_checks if not c.passed]
             if v.get("skipped") or failed:
                 out.append("")
                 out.append(f"verify {ev.short}: {v.get('skipped') or 'FAIL'}")
-                out.extend(f"    FAIL {c['model']}: {c['check']}: {c['evidence']}" for c in failed)
+                out.extend(f"    FAIL {c.get('model')}: {c.name}: {c.evidence}" for c in failed)
     tip = result.tip
     out.append("")
     if result.exit_code == EXIT_OK:

@@ -84,7 +84,7 @@ def measure(target, draft, target_dir, draft_dir, prompts: list[list[int]], text
     return {
         "format": FORMAT,
         "command": command,
-        "made_by": "patcher/verify/reference_decode.py: from-scratch chain and tree decoders, no cache",
+        "made_by": "patcher/verify/judge/reference_decode.py: from-scratch chain and tree decoders, no cache",
         "weights": {"target": sha256(weights_of(target_dir)), "draft": sha256(weights_of(draft_dir))},
         "settings": {"dtype": "float32", "greedy": True, "block_size": block_size, "budgets": budgets,
                      "max_new_tokens": max_new_tokens, "stop_token_ids": stop_ids, "prompts": texts,

@@ -248,11 +248,16 @@ class Positions:
                 self.reachable[m].append(reach)
 
 
-def walk(acceptance_at: list[int], n: int, stop_at: int | None = None) -> list[int]:
-    """The rounds of a decode of ``n`` new tokens that accepts ``acceptance_at[s]`` at start ``s``."""
+def walk(acceptance_at: list[int], n: int, stop_at: int | None = None, *, engine: bool = False) -> list[int]:
+    """The rounds of a decode of ``n`` new tokens that accepts ``acceptance_at[s]`` at start ``s``: the one reference
+    walk, for verify's decoders and the referee's engines (``engine``).
+
+    Counted as upstream's loops count (``engine=False``): every round runs its whole block until ``n`` tokens are
+    decided. Counted as an engine counts (``engine=True``): the prefill decides the first token, a round commits at
+    most the ``n - 1 - s`` tokens left, and where fewer than two are left the engine decodes plainly (no round)."""
     s, out = 0, []
-    while s < n:
-        a = acceptance_at[s]
+    while (n - 1 - s >= 2) if engine else (s < n):
+        a = min(acceptance_at[s], n - 1 - s) if engine else acceptance_at[s]
         out.append(a)
         if stop_at is not None and s < stop_at <= s + a:
             break
@@ -260,18 +265,25 @@ def walk(acceptance_at: list[int], n: int, stop_at: int | None = None) -> list[i
     return out
 
 
-def floor(reachable_at: list[list[int]], n: int, stop_at: int | None = None) -> float:
-    """The lowest mean acceptance of any decode of ``n`` new tokens whose round at start ``s`` accepts one of
-    ``reachable_at[s]`` (each round runs its whole block, as upstream's loops do). Exact: over every start, the
-    most rounds that reach each end."""
-    best: dict[int, dict[int, int]] = {}  # start -> {end: most rounds from there}
+def floor(reachable_at: list[list[int]], n: int, stop_at: int | None = None, *, engine: bool = False,
+          lowest: bool = True) -> float | None:
+    """The lowest (``lowest=False``: the highest) mean acceptance of any decode of ``n`` new tokens whose round at
+    start ``s`` accepts one of ``reachable_at[s]``, its rounds counted as ``walk`` counts them (``engine``). Exact:
+    over every start, for each number of tokens a decode from there commits, the most (fewest) rounds that commit
+    it. None: no round at all (an engine's decode of fewer than three tokens)."""
+    pick = max if lowest else min
+    best: dict[int, dict[int, int]] = {}  # start -> {tokens committed from there: most (fewest) rounds}
     for s in range(n - 1, -1, -1):
+        left = n - 1 - s
+        if engine and left < 2:
+            best[s] = {0: 0}
+            continue
         ends: dict[int, int] = {}
-        for a in reachable_at[s]:
-            if s + a >= n or (stop_at is not None and s < stop_at <= s + a):
-                ends[s + a] = max(ends.get(s + a, 0), 1)
-            else:
-                for e, r in best[s + a].items():
-                    ends[e] = max(ends.get(e, 0), r + 1)
+        for a in (sorted({min(x, left) for x in reachable_at[s]}) if engine else reachable_at[s]):
+            last = (stop_at is not None and s < stop_at <= s + a) or (not engine and s + a >= n)
+            for tokens, rounds in ({0: 0} if last else best[s + a]).items():
+                key = tokens + a
+                ends[key] = pick(ends[key], rounds + 1) if key in ends else rounds + 1
         best[s] = ends
-    return min(e / r for e, r in best[0].items())
+    means = [t / r for t, r in best[0].items() if r]
+    return (min if lowest else max)(means) if means else None

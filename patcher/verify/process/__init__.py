@@ -1,3 +1,3 @@
-"""the verifier's processes: the parent that starts and reads a child (runner, exitstatus), the child's entry (worker) and the warm verifier that forks children (warm).
-May import: judge, subjects, models, plumbing (runner also patcher.results and patcher.errors: it is the parent).
+"""the verifier's parent, in the CLI's process: starts a child and reads its events (runner), tells how it died (exitstatus), the settings it passes (settings).
+May import: child, judge, subjects, models, plumbing (and patcher.results and patcher.errors: it is the parent).
 """

@@ -31,7 +31,7 @@ from . import exitstatus
 from ..judge import coverage_rows, rows
 from ..models.folders import FolderError, check_pair
 from ..models.trained import FOLDER_PRESETS, folder_preset_options, pair_options
-from .warm import PARENT_ENV
+from ..child.warm import PARENT_ENV
 from ..plumbing.environ import child_env
 from .settings import narrowed, real_drafter_defaults
 
@@ -204,7 +204,7 @@ def _unique(rows) -> list[dict]:
     return out
 
 
-WORKER = Path(__file__).with_name("worker.py")
+WORKER = Path(__file__).resolve().parent.parent / "child" / "worker.py"
 
 
 def _parent_death_signal():

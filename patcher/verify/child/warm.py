@@ -98,7 +98,7 @@ def import_time_env(env: dict) -> dict:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k not in SET_BY_TORCH}
 
 
-def preload(sibling) -> None:
+def preload() -> None:
     """Import what every child imports, and nothing that runs a kernel (no thread pool is
     started before a fork)."""
     import torch  # noqa: F401
@@ -109,9 +109,10 @@ def preload(sibling) -> None:
             getattr(transformers, name)
         except (AttributeError, ImportError):
             pass
-    for name in ("plumbing.events", "models.load", "subjects.binding", "judge.checks", "judge.oracle", "models.presets",
-                 "judge.calibration", "judge.neartie", "models.context"):
-        sibling(name)
+    from ..judge import calibration, checks, neartie, oracle  # noqa: F401
+    from ..models import context, load, presets  # noqa: F401
+    from ..plumbing import events  # noqa: F401
+    from ..subjects import binding  # noqa: F401
 
 
 def refusal(request: dict, started_env: dict, worker: str) -> str | None:
@@ -126,7 +127,7 @@ def refusal(request: dict, started_env: dict, worker: str) -> str | None:
     return None
 
 
-def serve(path: str, answer, blocker, sibling, worker: str) -> int:
+def serve(path: str, answer, blocker, worker: str) -> int:
     """Answer requests on the socket at ``path`` until the run that started it is gone (its end of
     our standard input closed, the parent-death signal, SIGTERM) or idle (``answer(cfg)`` judges one
     tree in the forked child and prints its events)."""
@@ -144,7 +145,7 @@ def serve(path: str, answer, blocker, sibling, worker: str) -> int:
     listener.bind(path + ".binding")
     listener.listen(16)
     os.rename(path + ".binding", path)
-    preload(sibling)
+    preload()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     events = selectors.DefaultSelector()
     events.register(listener, selectors.EVENT_READ, "request")

@@ -1,6 +1,6 @@
 """The verifier's child process: imports the patched tree, loads the models, decodes, checks.
 
-It runs in its own process (``python .../patcher/verify/worker.py``, by path), started by
+It runs in its own process (``python .../patcher/verify/child/worker.py``, by path), started by
 ``ddpatch verify`` with a timeout, because it executes upstream code: the tree's
 generic module names (``model``, ``dflash``) stay out of the CLI's ``sys.path``, a hang
 or crash cannot take the CLI with it, and nothing is written: bytecode writing is off,
@@ -8,9 +8,10 @@ the working directory is a temporary folder, and models load with
 ``local_files_only=True``.
 
 It prints one JSON object per line (``events``): ``{"event": "progress", ...}`` while it
-works and a final ``{"event": "result", ...}``. The work is in its sibling modules:
-``models`` (loading, the greedy reference), ``binding`` (calling upstream's decoders),
-``checks`` (the checks on one model) and ``oracle``.
+works and a final ``{"event": "result", ...}``. The work is in the floors below, imported relatively
+(inside functions: run by path, this file is re-entered as a module of the private package first, ``main``):
+``models.load`` (loading, the greedy reference), ``subjects.methods`` (calling upstream's decoders),
+``judge.checks`` (the checks on one model) and its oracles.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ PRIVATE_PACKAGE = "_ddpatch_verify"
 def child_package() -> str:
     """The package this folder's modules are imported from.
 
-    Imported as ``patcher.verify.process.worker`` (by the tests), that is ``patcher.verify``. Run as a
+    Imported as ``patcher.verify.child.worker`` (by the tests), that is ``patcher.verify``. Run as a
     script, as ``ddpatch verify`` runs it, the folder is loaded by path under a private name
     and nothing of the ``patcher`` package is imported: a patched tree must run with ddpatch
     absent (it ships only its ``_ddpatch_runtime`` copy), so an ``import patcher`` in the tree
@@ -38,12 +39,12 @@ def child_package() -> str:
     package. The folder's modules import only each other (relatively), the stdlib, torch and
     transformers.
     """
-    if __package__:  # patcher.verify.process -> patcher.verify
+    if __package__:  # patcher.verify.child -> patcher.verify
         return __package__.rpartition(".")[0]
     if PRIVATE_PACKAGE not in sys.modules:
         import importlib.util
 
-        here = Path(__file__).resolve().parent.parent  # patcher/verify: this file is in its process/ folder
+        here = Path(__file__).resolve().parent.parent  # patcher/verify: this file is in its child/ folder
         spec = importlib.util.spec_from_file_location(PRIVATE_PACKAGE, here / "__init__.py", submodule_search_locations=[str(here)])
         module = importlib.util.module_from_spec(spec)
         sys.modules[PRIVATE_PACKAGE] = module
@@ -52,7 +53,9 @@ def child_package() -> str:
 
 
 def sibling(name: str):
-    """This folder's module ``name`` (``events``, ``models``, ``binding``, ``checks``, ``oracle``, ``presets``)."""
+    """The verifier's module ``name`` (``judge.checks``, ``models.load``) in the package the child runs under: for a
+    caller outside the child (``benchmarks/bench_real_shapes.py --profile`` wraps the modules the child uses); the
+    child's own code imports them relatively."""
     return importlib.import_module(f"{child_package()}.{name}")
 
 
@@ -74,7 +77,7 @@ def hide_ddpatch() -> NoDdpatch:
     # The script's folder (patcher/verify) and patcher/ leave the path: their module names (models,
     # checks, runtime, api...) must not shadow the tree's. The folder holding patcher/ may stay (it
     # can be site-packages): the blocker makes ``patcher`` itself unimportable from anywhere.
-    here = Path(__file__).resolve().parent  # patcher/verify/process
+    here = Path(__file__).resolve().parent  # patcher/verify/child
     hidden = {here, here.parent, here.parent.parent}
     sys.path[:] = [p for p in sys.path if p and Path(p).resolve() not in hidden]
     for name in [m for m in sys.modules if m == "patcher" or m.startswith("patcher.")]:
@@ -104,8 +107,10 @@ def run(cfg: dict) -> dict:
     import torch
     import transformers
 
-    checks, models, events, decoders, methods = (sibling(n) for n in ("judge.checks", "models.load", "plumbing.events",
-                                                                          "subjects.decoders", "subjects.methods"))
+    from ..judge import checks, coverage_runs
+    from ..models import load as models
+    from ..plumbing import events
+    from ..subjects import decoders, methods
 
     tree = Path(cfg["tree"]).resolve()
     events.TREE[:] = [str(tree)]
@@ -144,7 +149,7 @@ def run(cfg: dict) -> dict:
                                                     mask, False, prompts, scripted=bool(cfg.get("scripted_draft")),
                                                     choose_mask=bool(cfg.get("scripted_draft")) and not cfg.get("draft"), notes=notes))
         if not checks.sampling_of(run_cfg):  # the decoders' mode parameters on the user's own model (one short prompt each)
-            result["models"][-1]["checks"] += sibling("judge.coverage_runs").mode_runs(
+            result["models"][-1]["checks"] += coverage_runs.mode_runs(
                 run_cfg, loaded, target, drafts, result["models"][-1].get("mask_token_id", mask), prompts[:1], result["models"][-1])
         result["loaded"] = models.loaded_with(target, cfg)
         return result
@@ -159,8 +164,8 @@ def run(cfg: dict) -> dict:
             label = preset if not sampled.get("sampled_pass") else f"{preset} (sampled)"
             result["models"].append(checks.verify_model(label, pass_cfg, loaded, target, drafts, mask, True, prompts, notes=notes))
             if not sampled:  # coverage: the decoders' mode parameters get runs of their own (judge/coverage_runs.py)
-                result["models"][-1]["checks"] += sibling("judge.coverage_runs").mode_runs(pass_cfg, loaded, target, drafts, mask,
-                                                                                           prompts[:1], result["models"][-1])
+                result["models"][-1]["checks"] += coverage_runs.mode_runs(pass_cfg, loaded, target, drafts, mask,
+                                                                          prompts[:1], result["models"][-1])
     for pair in cfg.get("pairs") or ():
         pair_cfg = {**cfg, **pair}
         target, drafts, mask, notes = models.load_real(pair_cfg, loaded.drafters, loaded.primary)
@@ -178,7 +183,7 @@ def stored_floor_prompts(cfg: dict, prompts: list, made: str):
     the user gave a prompts file: then the run's own reference judges it. Returns (prompts, floor, why none, made)."""
     import torch
 
-    acceptance = sibling("judge.acceptance")
+    from ..judge import acceptance
     floor, missing = acceptance.find(cfg)
     if floor is None or cfg.get("prompt_records"):
         return prompts, floor, missing, made
@@ -207,20 +212,23 @@ SAMPLED_PASS = {"temperature": 1.0, "prompts": 2, "max_new_tokens": 32, "samplin
 
 def answer(cfg: dict, blocker: NoDdpatch) -> None:
     """Judge one tree and print the final ``result`` event."""
-    events = sibling("plumbing.events")
+    from ..check import Check
+    from ..plumbing import events
+
     try:
-        coverage = sibling("judge.coverage_runs")  # every decoder call runs under line coverage
+        from ..judge import coverage_runs as coverage  # every decoder call runs under line coverage
+
         coverage.start(cfg)
         result = run(cfg)
         result["coverage"] = coverage.collected()
         leaked = ddpatch_modules()
         if blocker.attempts or leaked:
-            result.setdefault("checks", []).append({
-                "check": "runs without ddpatch", "passed": False,
-                "evidence": f"the tree imported {', '.join(sorted(set(blocker.attempts + leaked)))}",
-            })
+            result.setdefault("checks", []).append(Check.of(
+                "runs without ddpatch", passed=False,
+                evidence=f"the tree imported {', '.join(sorted(set(blocker.attempts + leaked)))}").to_json())
         elif result.get("checks"):
-            result["checks"].append({"check": "runs without ddpatch", "passed": True, "evidence": "no module of the patcher package was imported"})
+            result["checks"].append(Check.of("runs without ddpatch", passed=True,
+                                             evidence="no module of the patcher package was imported").to_json())
     except (FileNotFoundError, ValueError) as exc:
         result = {"fatal": str(exc).splitlines()[0]}
     except Exception as exc:
@@ -229,12 +237,20 @@ def answer(cfg: dict, blocker: NoDdpatch) -> None:
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["--serve"]:  # a warm verifier (see warm.py): imports once, forks a child per tree
-        blocker = hide_ddpatch()
-        warm = sibling("process.warm")
-        return warm.serve(sys.argv[2], answer, blocker, sibling, warm.worker_path())
-    cfg = json.loads(sys.stdin.read())
-    answer(cfg, hide_ddpatch())
+    blocker = hide_ddpatch()
+    if not __package__:  # run by path, as ddpatch verify runs it: the rest runs as this module of the private package
+        return importlib.import_module(f"{child_package()}.child.worker").serve_or_answer(blocker)
+    return serve_or_answer(blocker)
+
+
+def serve_or_answer(blocker: NoDdpatch) -> int:
+    """``--serve PATH``: a warm verifier (see warm.py) that imports once and forks a child per tree; else judge the
+    tree of the settings on standard input."""
+    if sys.argv[1:2] == ["--serve"]:
+        from . import warm
+
+        return warm.serve(sys.argv[2], answer, blocker, warm.worker_path())
+    answer(json.loads(sys.stdin.read()), blocker)
     return 0
 
 
