@@ -27,7 +27,7 @@ from typing import Iterable
 
 from ..errors import EngineError
 from ..results import ALREADY_APPLIED, APPLIED, FIXED_UPSTREAM, UNCLASSIFIED, FileResult, Report, Site, VendoredFolder
-from .absent import settle_absent_anchors
+from .absent import place_unplaced, settle_absent_anchors, settle_unanchored
 from .classify import classify, mark_skipped
 from .codemods import CODEMODS
 from .codemods.base import IN_PACKAGE, PATCHED, place, site_positions
@@ -390,8 +390,10 @@ def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: in
                     exclude=exclude, excluded=excluded)
     mark_skipped(report)
     settle_absent_anchors(report, specs, texts)
+    settle_unanchored(report, specs, texts)
     if found is not None:
         suggest_excludes(report, reached_by_decoders(report, set(found.decoders)))
+        place_unplaced(report)
     return report
 
 
