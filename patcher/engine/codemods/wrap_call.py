@@ -341,7 +341,9 @@ class WrapCall(Step):
         for fn in self.flow.fns:
             if self._inside_drafter(fn):
                 continue  # the drafter's own forward calling its layers is the drafter, not the decode loop
+            plain, found = [], False  # a drafter method without attention answers for nothing: the drafter's own call must be found
             for mc in fn.model_calls:
+                found = found or bool(role == DRAFTER and mc.wrapped and is_role(fn.role(mc.callee), role))
                 # a target call that only goes through ``adopt_forward`` (target-cache-config) is
                 # still a verify to record: in a decode loop it becomes ``verify_forward``, which adopts too
                 upgrade = role == TARGET and mc.wrapped == "adopt_forward" and self.params["helper"] == "verify_forward"
@@ -352,7 +354,9 @@ class WrapCall(Step):
                 if self.params["in_loop"] and not (mc.in_loop or self._only_called_in_loops(fn)):
                     continue
                 if role == DRAFTER and self._plain(fn, mc):
-                    continue  # a drafter's method that runs no attention (a projection and a norm): nothing windowed
+                    plain.append(mc)  # a drafter's method that runs no attention (a projection and a norm): nothing windowed
+                    continue
+                found = True
                 evidence = self._masks_itself(fn, mc) if role == DRAFTER else None
                 keywords, refusal = self._positional(fn, mc) if role == DRAFTER and not evidence else (None, None)
                 if evidence:
@@ -363,6 +367,10 @@ class WrapCall(Step):
                     # say where the call is, not what the loop is: `for layer in self.layers` is a loop, not the decode loop
                     where = f"in a loop of `{fn.name}`" if mc.in_loop or not self.params["in_loop"] else f"in `{fn.name}` (called only from loops)"
                     self.wrap[mc.call] = (mc.callee, where, keywords)
+            if plain and not found:
+                self.record(plain[0].call, NO_MATCH, f"the drafter is reached in `{fn.name}` only through `{plain[0].callee}(...)`, "
+                            "which runs no attention; the call that runs its layers is not one data flow reads: route it through "
+                            "`_ddpatch_runtime.draft_forward` by hand, then prove the tree with `ddpatch verify`", function=fn.name)
         return True
 
     def _positional(self, fn: Fn, mc: ModelCall) -> tuple[list[str] | None, str | None]:
