@@ -101,8 +101,7 @@ def place_unplaced(report: Report) -> None:
         if not where:
             continue
         shown = "; ".join(w for *_, w in where[:3])
-        for a in bare:
-            a.path, a.line = where[0][0], where[0][1]
+        for a in bare:  # the anchor keeps no file (its function is not in the tree); its message says where to look
             a.message += f"; this step found no call to route in the decoders: {shown}"
         if not step.anchors and not step.sites:
             step.sites = [Site(NO_MATCH, line, 0, fn, f"no site of this step in the decoder {path}{w[len(path) + len(str(line)) + 1:]}: "
