@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from drift.variants import VENDORED
+
 from patcher.cli import main
 
 RECIPE = ["--recipe", "qwen3_6-gdn", "-j", "1"]

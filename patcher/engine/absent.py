@@ -20,7 +20,15 @@ from __future__ import annotations
 
 import re
 
-from ..results import ALREADY_APPLIED, APPLIED, FIXED_UPSTREAM, NO_MATCH, SKIPPED, Report, Site
+from ..results import (
+    ALREADY_APPLIED,
+    APPLIED,
+    FIXED_UPSTREAM,
+    NO_MATCH,
+    SKIPPED,
+    Report,
+    Site,
+)
 from .prefilter import prefilter, prefilter_tree
 from .recipe import StepSpec
 
