@@ -137,3 +137,54 @@ def test_a_whole_trim_planted_in_the_real_ddtree_becomes_crop_cache_and_says_its
     again = json.loads(run("check", tmp_path / "out", *RECIPE, "--format", "json").stdout)
     [site] = next(s for s in again["steps"] if s["id"] == "cache-surgery")["sites"]
     assert site["status"] == "already-applied"
+
+
+# ----------------------------------------------------------------------------- linear-attention state by hand (issue 49)
+#: a fork's snapshot and restore of the Gated DeltaNet state, as the issue met it (written here in our own words)
+STATE_HELPERS = '''def snapshot(cache):
+    return [(layer.conv_states.clone(), layer.recurrent_states.clone()) for layer in cache.layers
+            if hasattr(layer, "conv_states")]
+
+
+def restore(cache, saved):
+    linear = [layer for layer in cache.layers if hasattr(layer, "conv_states")]
+    for layer, (conv, recurrent) in zip(linear, saved):
+        layer.conv_states.copy_(conv)
+        layer.recurrent_states.copy_(recurrent)
+'''
+#: the decoder beside it (the tree is a decoder's, or check refuses it whole)
+DECODER = '''from transformers import DynamicCache
+
+
+def chain_generate(target, drafter, ids, rounds):
+    cache, draft_cache = DynamicCache(), DynamicCache()
+    out = target(ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+    for _ in range(rounds):
+        block = drafter(target_hidden=out.hidden_states[-1], past_key_values=draft_cache, use_cache=True)
+        out = target(block, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        cache.crop(ids.shape[1])
+    return ids
+'''
+
+
+def test_a_hand_snapshot_of_linear_state_is_named_where_it_breaks_on_this_transformers(tmp_path):
+    """check names each line of the hand snapshot and restore, with the error the line raises here (a linear layer's
+    `conv_states` is a dict on 5.25), and apply writes nothing; the claim is checked against this transformers: the
+    fork's own helper raises exactly that on a hybrid's config-built cache."""
+    tree = tmp_path / "fork"
+    tree.mkdir()
+    (tree / "state.py").write_text(STATE_HELPERS)
+    (tree / "decode.py").write_text(DECODER)
+    payload = json.loads(run("check", tree, *RECIPE, "--format", "json").stdout)
+    step = next(s for s in payload["steps"] if s["id"] == "cache-surgery")
+    assert step["status"] == "no-match"
+    assert [(s["path"], s["line"]) for s in step["sites"]] == [("state.py", n) for n in (2, 2, 9, 10)]
+    assert [(s["line"], s["status"]) for s in step["sites"]] == [(2, "no-match"), (2, "no-match"), (9, "no-match"), (10, "no-match")]
+    assert all("'dict' object has no attribute" in s["message"] and "crop_cache" in s["message"] for s in step["sites"])
+    out = tmp_path / "out"
+    assert run("apply", tree, *RECIPE, "--out", out).exit_code == 1 and not out.exists()
+    cache = prefill(model("tiny-qwen3_5"), torch.tensor([[1, 2, 3]]))
+    namespace: dict = {}
+    exec(compile(STATE_HELPERS, "<fork>", "exec"), namespace)
+    with pytest.raises(AttributeError, match="'dict' object has no attribute 'clone'"):
+        namespace["snapshot"](cache)

@@ -27,7 +27,7 @@ from typing import Iterable
 
 from ..errors import EngineError
 from ..results import ALREADY_APPLIED, APPLIED, FIXED_UPSTREAM, UNCLASSIFIED, FileResult, Report, Site, VendoredFolder
-from .absent import settle_absent_anchors
+from .absent import place_unplaced, settle_absent_anchors, settle_unanchored
 from .classify import classify, mark_skipped
 from .codemods import CODEMODS
 from .codemods.base import IN_PACKAGE, PATCHED, place, site_positions
@@ -38,7 +38,7 @@ from .prefilter import prefilter, prefilter_tree  # noqa: F401  (stage 2; tests 
 from .recipe import Recipe, StepSpec
 from .survey import leave_out, leaves_out, reached_by_decoders, refuse, shown_decoders, suggest_excludes, unsearched
 from .survey import survey as survey_tree
-from .vendored import DecoderSignals, settle, vendored_reason
+from .vendored import CACHE_COPY, DecoderSignals, copy_of_cache_code, settle, vendored_reason
 
 SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", ".venv", "venv", ".tox", ".mypy_cache", ".pytest_cache", "node_modules"}
 
@@ -357,6 +357,12 @@ def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: in
     if upstream is not None and upstream not in recipe.upstreams:
         raise EngineError(f"unknown upstream {upstream!r} for recipe {recipe.name}; known: {', '.join(recipe.upstreams)}")
     read = [read_file(base, path) for path in paths]  # each file is read once
+    if root.is_dir() and not include_vendored:  # a file that copies transformers' cache code is vendored code
+        signals = DecoderSignals(recipe, CODEMODS)
+        copies = {result.path for result, text in read if copy_of_cache_code(text) and signals.find(text) is None}
+        excluded.update(dict.fromkeys(sorted(copies), CACHE_COPY))
+        paths = [path for path, (result, _) in zip(paths, read) if result.path not in copies]
+        read = [(result, text) for result, text in read if result.path not in copies]
     defined = set()
     scans = [re.compile(cls.TREE_TRIGGER) for cls in CODEMODS.values() if cls.TREE_TRIGGER]
     scanned: dict[str, str] = {}  # texts some step's tree scan wants
@@ -390,8 +396,10 @@ def run_recipe(recipe: Recipe, root: Path, upstream: str | None = None, jobs: in
                     exclude=exclude, excluded=excluded)
     mark_skipped(report)
     settle_absent_anchors(report, specs, texts)
+    settle_unanchored(report, specs, texts)
     if found is not None:
         suggest_excludes(report, reached_by_decoders(report, set(found.decoders)))
+        place_unplaced(report)
     return report
 
 

@@ -51,6 +51,8 @@ TORCH = ("torch", "transformers", "accelerate")
 _IMPORTS = re.compile(r"^[ \t]*(?:from[ \t]+([\w.]+)[ \t]+import\b|import[ \t]+([^\n#;]+))", re.M)
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
 _CACHE_KEYWORDS = ("past_key_values", "cache", "past_key_value")
+#: methods that run a module's layers, never a decoder
+_NOT_DECODERS = ("forward", "_forward", "__call__")
 
 
 class NotADecoderTree(EngineError):
@@ -179,8 +181,11 @@ def _decoder_function(text: str) -> tuple[str | None, str | None]:
     for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
         forward = next((f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "forward"), None)
         if forward is not None and any(a.arg == "target_hidden" for a in forward.args.args + forward.args.kwonlyargs):
-            drafters |= {id(f) for f in ast.walk(cls) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
-        drafters |= {id(f) for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "forward"}  # a module's layers
+            # a drafter's own methods run its layers, except one that drives the drafter itself (``self(...)``) round
+            # after round beside a cache: its own decoder (``spec_generate``), which verify runs too
+            drafters |= {id(f) for f in ast.walk(cls) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                         and not _drives_itself(f)}
+        drafters |= {id(f) for f in cls.body if isinstance(f, ast.FunctionDef) and f.name in _NOT_DECODERS}  # a module's layers
     owners = {id(f): f"{cls.name}.{f.name}" for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef) for f in cls.body
               if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
     proposer = None
@@ -194,6 +199,16 @@ def _decoder_function(text: str) -> tuple[str | None, str | None]:
         if decoder_targets(fn):
             return f"`{fn.name}` hands a drafter the target's features and calls the target with a cache", None
     return None, proposer
+
+
+def _drives_itself(fn: ast.AST) -> bool:
+    """A drafter's method that hands ``self(...)`` (the drafter itself) ``target_hidden=`` in a loop and calls a model with a
+    cache: a decode loop of the drafter's own (``spec_generate``), not one of the layers' calls inside its ``forward``."""
+    if getattr(fn, "name", "") in _NOT_DECODERS:
+        return False
+    selfish = any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == "self"
+                  and any(k.arg == "target_hidden" for k in c.keywords) and _in_loop(fn, c) for c in ast.walk(fn))
+    return selfish and _has_cache(fn)
 
 
 def _in_loop(fn: ast.AST, node: ast.AST) -> bool:
@@ -267,20 +282,39 @@ def reached_by_decoders(report: Report, also: set[str] = frozenset()) -> set[str
     still = read_imports(root, patched).broken if patched else {}
     # a sibling the tree itself says is gone stops apply where the decoders import it; a module that is merely not
     # installed here (an optional package, one of another environment) is listed, never a refusal
+    decoders = set(report.decoders) | set(also)
     report.import_issues = [
-        ImportIssue(rel, imp.line, imp.module, _import_message(imp, rel in reached), imp.in_tree and rel in reached, rel in reached)
+        ImportIssue(rel, imp.line, imp.module, _import_message(imp, rel in reached, _spare(rel, decoders, imports) if rel in reached else None),
+                    imp.in_tree and rel in reached, rel in reached)
         for rel, found in sorted(imports.broken.items()) for imp in found
         if rel not in patched or any(i.module == imp.module for i in still.get(rel, ()))
     ]
     return reached
 
 
-def _import_message(imp, reached: bool) -> str:
+def _spare(rel: str, decoders: set[str], imports) -> str | None:
+    """The ``--exclude`` that leaves ``rel`` out and keeps every other decoder whole (an archived copy of the project under
+    ``docs/``, an old version beside the new one): the widest folder holding ``rel`` and none of the files the other
+    decoders import, else ``rel`` itself where no other decoder imports it; None where no decoder would be left."""
+    parts = PurePosixPath(rel).parts
+    for where in [*("/".join(parts[:depth]) + "/" for depth in range(1, len(parts))), rel]:
+        others = {d for d in decoders if not (d.startswith(where) if where.endswith("/") else d == where)}
+        if others and not any(k.startswith(where) if where.endswith("/") else k == where for k in imports.reach(others)):
+            return where
+    return None
+
+
+def _import_message(imp, reached: bool, spare: str | None = None) -> str:
     top = imp.module.lstrip(".").split(".")[0]
     if imp.in_tree:
         what = f"`{imp.module}` names no file of the tree (a sibling module deleted or renamed?)"
     else:
         what = f"no `{top}.py` or `{top}/` in the tree, and no module `{top}` installed here (a sibling module deleted, or a package this environment lacks?)"
+    if reached and imp.in_tree and spare:
+        return what + (f"; a decoder imports this file, so neither it nor `ddpatch verify` can load: restore the module, or, if the "
+                       f"patched tree does not need it (an archived or partial copy: "
+                       f"{'no other decoder imports anything under ' + spare if spare.endswith('/') else 'no other decoder imports it'}), "
+                       f"leave it out with --exclude {spare}")
     if reached and imp.in_tree:
         return what + "; the decoders import this file, so neither they nor `ddpatch verify` can load: restore the module"
     if reached:

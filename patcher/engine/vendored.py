@@ -16,6 +16,12 @@ the tree, and parsing them (and running the steps over them) is most of a run. T
 * A folder without one is left out: listed in the report (text and JSON) with its reason and
   file count, never parsed. ``--include-vendored`` (or ``include-vendored = true``) checks them
   all, and so does passing the folder itself as the tree.
+
+A single file can be a copy too: a fork that pins one transformers release keeps its own ``cache_utils.py``
+(``class Cache``, ``class DynamicCache(Cache)``, ...), where ``past_key_values[layer_idx]`` is the legacy tuple its
+annotation says, not a 5.x cache. A file that defines two or more of transformers' cache classes at module level
+(``CACHE_CLASSES``), one of them ``Cache`` or ``DynamicCache``, and shows no decoder signal is left out the same
+way (``copy_of_cache_code``), listed with its reason; ``--include-vendored`` checks it.
 """
 
 from __future__ import annotations
@@ -31,6 +37,16 @@ VENDOR_NAMES = frozenset({
     "site-packages", "dist-packages", "third_party", "third-party", "thirdparty", "3rdparty",
     "vendor", "_vendor", "vendored", "external", "externals", "extern",
 })
+#: The classes transformers' cache module defines: a file that defines several is a copy of that module.
+CACHE_CLASSES = frozenset({
+    "Cache", "DynamicCache", "StaticCache", "SlidingWindowCache", "HybridCache", "HybridChunkedCache", "OffloadedCache",
+    "OffloadedStaticCache", "QuantizedCache", "QuantoQuantizedCache", "HQQQuantizedCache", "EncoderDecoderCache", "SinkCache",
+    "MambaCache", "CacheConfig", "QuantizedCacheConfig", "CacheLayerMixin", "DynamicLayer", "StaticLayer", "SlidingWindowLayer",
+    "DynamicSlidingWindowLayer", "ChunkedSlidingLayer", "QuantizedLayer", "LinearAttentionLayer", "LinearAttentionCacheLayerMixin",
+})
+#: why such a file is left out (one reason for all of them: the report groups the files it leaves out by reason)
+CACHE_COPY = "a copy of transformers' cache code, vendored: --include-vendored checks it"
+_CLASS = re.compile(r"^class[ \t]+(\w+)", re.M)
 #: Files that make a folder a project of its own.
 PACKAGING = ("setup.py", "pyproject.toml", "setup.cfg")
 
@@ -74,6 +90,15 @@ class DecoderSignals:
                 if not (before.isalnum() or before == "_" or after.isalnum() or after == "_"):
                     return f"uses {m.group(0)}"
         return None
+
+
+def copy_of_cache_code(text: str) -> list[str]:
+    """The transformers cache classes ``text`` defines at module level, where it is a copy of that module (two or more,
+    ``Cache`` or ``DynamicCache`` among them); else []."""
+    if "class " not in text or "Cache" not in text:
+        return []
+    names = sorted(set(_CLASS.findall(text)) & CACHE_CLASSES)
+    return names if len(names) >= 2 and {"Cache", "DynamicCache"} & set(names) else []
 
 
 def decoder_in(root: Path, paths: list[Path], signals: DecoderSignals) -> str | None:

@@ -60,6 +60,10 @@ class UseAccessor(Step):
     )
 
     @classmethod
+    def looks_for(cls, params) -> str:
+        return f"a read of a model's `{params['path']}`"
+
+    @classmethod
     def triggers(cls, params) -> tuple[str, ...]:
         # `self.model.embed_tokens` is in every transformers model: a skipped receiver right
         # before the dot does not trigger (`x.self.model...` and `(self).model...` still do)

@@ -28,6 +28,9 @@ Statuses and the evidence each rests on:
   whose owner data flow does not say. Where the site runs only under an ``if`` that reads a
   parameter of its function (``trim_kv``), the message names the parameter and its default: a
   run with the defaults never reaches the line.
+* ``no-match`` -- a hand edit of the linear-attention state (``conv_states`` / ``recurrent_states``: a tensor
+  method on the store, an in-place write or an assignment into it), outside a module's ``forward``
+  (``cache_surgery_state``: why it breaks on 5.x, and the runtime's operations that replace the save and restore).
 
 Left to other steps: a function another step commits (``committed``, DDTree's
 ``compact_dynamic_cache``, which ``tree-commit`` decorates, or one already decorated with
@@ -45,6 +48,7 @@ import libcst as cst
 from .base import (APPLIED, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, FunctionStack, Step, ast_dotted, ast_nodes, code, cst_nodes, dotted,
                    is_runtime_call, runtime_call)
 from .cache_surgery_shapes import contains, in_place, loop_head, mutates, peel, prefix_stop, same
+from .cache_surgery_state import STATE, StateEdits
 from .flow import CACHE, DRAFT_CACHE, TARGET_CACHE, ModuleFlow, is_role, names_in
 
 KV = ("keys", "values")
@@ -58,11 +62,11 @@ _WAY = ("cut the cache with `_ddpatch_runtime.crop_cache(cache, n)` (keep n toke
 _HYBRID = "a hybrid's linear-attention layers have no `.keys` (AttributeError), and skipping them keeps stale recurrent state"
 
 
-class CacheSurgery(FunctionStack, Step):
+class CacheSurgery(StateEdits, FunctionStack, Step):
     ID = "cache-surgery"
     DESCRIPTION = ("Rewrite a hand trim of every cache layer's keys and values to `_ddpatch_runtime.crop_cache(cache, n)`; name "
                    "the other hand edits of a cache's layers that a hybrid's linear-attention layers break.")
-    TRIGGERS = (r"layers|key_cache|value_cache|batch_select_indices|batch_repeat_interleave|ddpatch cache-surgery",)
+    TRIGGERS = (r"layers|key_cache|value_cache|batch_\w+_in\w+|ddpatch cache-surgery|conv_states|recurrent_states",)
     #: committed: functions another step commits exactly (``tree-commit`` decorates DDTree's compaction); helper: the crop
     PARAMS = {"committed": [], "helper": "crop_cache"}
     USES_RUNTIME = True
@@ -119,7 +123,7 @@ class CacheSurgery(FunctionStack, Step):
     @classmethod
     def may_match(cls, tree: ast.Module, params) -> bool:
         attrs = ast_nodes(tree, ast.Attribute)
-        if any(a.attr in LEGACY + BATCH and ast_dotted(a.value) not in ("self", "cls") for a in attrs):
+        if any(a.attr in LEGACY + BATCH + STATE and ast_dotted(a.value) not in ("self", "cls") for a in attrs):
             return True
         if any(ast_dotted(c.func) == f"_ddpatch_runtime.{params['helper']}" for c in ast_nodes(tree, ast.Call)):
             return True  # a rewrite of this step, said already-applied
@@ -382,6 +386,8 @@ class CacheSurgery(FunctionStack, Step):
             for e in target.elements:
                 self._target(e.value, stmt)
             return
+        if self.state_target(target, stmt):
+            return
         if isinstance(target, cst.Attribute) and target.attr.value in KV and self._layer_of(target.value) is not None:
             self._edit(stmt, self._layer_of(target.value), "kv", f"{code(target)} = ...")
         elif isinstance(target, cst.Subscript):
@@ -394,6 +400,8 @@ class CacheSurgery(FunctionStack, Step):
             return
         func = node.func
         if is_runtime_call(node, self.params["helper"]):
+            return
+        if self.state_call(node):
             return
         if isinstance(func, cst.Attribute) and func.attr.value in BATCH:
             if self.function == func.attr.value:

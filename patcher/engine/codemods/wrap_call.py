@@ -49,6 +49,7 @@ import libcst as cst
 
 from .base import APPLIED, CACHE_KEYWORDS, FIXED_UPSTREAM, NO_MATCH, PATCHED, Example, Step, is_runtime_call, runtime_call
 from .flow import ROLE_TRIGGER, DRAFTER, TARGET, Fn, ModelCall, ModuleFlow, is_role
+from .drafter_methods import plain_methods
 from .flow_prefilter import may_have_roles
 
 _MASK_BUILDER = re.compile(r"sliding\w*mask|mask\w*sliding", re.I)
@@ -212,7 +213,7 @@ def drafter_forwards(tree: ast.Module) -> dict[str, dict]:
             continue
         params = None if args.vararg or args.posonlyargs else [a.arg for a in args.args[1:]]
         methods = sorted(n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name != "forward")
-        out[node.name] = {"params": params, "methods": methods}
+        out[node.name] = {"params": params, "methods": methods, "plain": plain_methods(node)}
     return out
 
 
@@ -340,7 +341,9 @@ class WrapCall(Step):
         for fn in self.flow.fns:
             if self._inside_drafter(fn):
                 continue  # the drafter's own forward calling its layers is the drafter, not the decode loop
+            plain, found = [], False  # a drafter method without attention answers for nothing: the drafter's own call must be found
             for mc in fn.model_calls:
+                found = found or bool(role == DRAFTER and mc.wrapped and is_role(fn.role(mc.callee), role))
                 # a target call that only goes through ``adopt_forward`` (target-cache-config) is
                 # still a verify to record: in a decode loop it becomes ``verify_forward``, which adopts too
                 upgrade = role == TARGET and mc.wrapped == "adopt_forward" and self.params["helper"] == "verify_forward"
@@ -350,6 +353,10 @@ class WrapCall(Step):
                     continue
                 if self.params["in_loop"] and not (mc.in_loop or self._only_called_in_loops(fn)):
                     continue
+                if role == DRAFTER and self._plain(fn, mc):
+                    plain.append(mc)  # a drafter's method that runs no attention (a projection and a norm): nothing windowed
+                    continue
+                found = True
                 evidence = self._masks_itself(fn, mc) if role == DRAFTER else None
                 keywords, refusal = self._positional(fn, mc) if role == DRAFTER and not evidence else (None, None)
                 if evidence:
@@ -360,6 +367,10 @@ class WrapCall(Step):
                     # say where the call is, not what the loop is: `for layer in self.layers` is a loop, not the decode loop
                     where = f"in a loop of `{fn.name}`" if mc.in_loop or not self.params["in_loop"] else f"in `{fn.name}` (called only from loops)"
                     self.wrap[mc.call] = (mc.callee, where, keywords)
+            if plain and not found:
+                self.record(plain[0].call, NO_MATCH, f"the drafter is reached in `{fn.name}` only through `{plain[0].callee}(...)`, "
+                            "which runs no attention; the call that runs its layers is not one data flow reads: route it through "
+                            "`_ddpatch_runtime.draft_forward` by hand, then prove the tree with `ddpatch verify`", function=fn.name)
         return True
 
     def _positional(self, fn: Fn, mc: ModelCall) -> tuple[list[str] | None, str | None]:
@@ -375,8 +386,9 @@ class WrapCall(Step):
         if attr and attr != "forward" and any(attr in k["methods"] for k in known) or attr and not known:
             return None, (f"the drafter is called through its method `{mc.callee}(...)`: draft_forward routes a call of the drafter "
                           "model itself, and cannot give the windowed layers inside that method their sliding masks; route the "
-                          "method's own model calls through `_ddpatch_runtime.draft_forward`, or, for a drafter without "
-                          "sliding-window layers, --ignore draft-sliding-window --allow-lossy")
+                          "method's own model calls through `_ddpatch_runtime.draft_forward` by hand (`apply --allow-partial` "
+                          "copies the runtime), then prove the tree with `ddpatch verify` (`--ignore draft-sliding-window` would "
+                          "leave every drafter call of the tree unmasked, not this one only)")
         if not positional:
             return None, None
         params = {tuple(k["params"]) if k["params"] is not None else None for k in known}
@@ -385,6 +397,16 @@ class WrapCall(Step):
                           "`forward` in the tree binds them: draft_forward reads position_ids= and the cache by keyword; "
                           "pass them by keyword")
         return list(next(iter(params))[: len(positional)]), None
+
+    def _plain(self, fn: Fn, mc: ModelCall) -> bool:
+        """``drafter.method(...)`` where every drafter class it may be has that method reaching no attention layer."""
+        head, _, attr = mc.callee.partition(".")
+        if not attr or "." in attr or head in ("self", "cls") or attr == "forward":
+            return False
+        forwards = {**(self.params["drafter_forwards"] or {}), **drafter_forwards(self._ast())}
+        name = self._drafter_class(fn, ModelCall(head, mc.call, mc.cache, mc.in_loop))
+        known = [forwards[name]] if name in forwards else list(forwards.values())
+        return bool(known) and all(attr in k.get("plain", ()) for k in known)
 
     def _ast(self) -> ast.Module:
         if self._tree is None:
