@@ -67,8 +67,11 @@ def test_verify_refuses_a_kind_without_reference_before_judging(tmp_path):
     assert kind_of_folder(folder).kind == "dspark"
     with pytest.raises(FolderError, match=r"a dspark drafter \(.*markov_head_type=\"gated\".*\): its Markov head is 'gated'"):
         check_pair(None, str(folder))
-    ok = _folder(tmp_path / "b", DSPARK) if (tmp_path / "b").mkdir() is None else None
-    check_pair(None, str(ok))  # a kind with a reference passes the folder check
+    (tmp_path / "b").mkdir()
+    check_pair(None, str(_folder(tmp_path / "b", DFLASH)))  # DFlash passes the folder check
+    (tmp_path / "c").mkdir()  # DSpark has a reference, not yet wired into verify's acceptance checks: no DFlash verdict
+    with pytest.raises(FolderError, match=r"a dspark drafter .*judge DFlash drafters only so far"):
+        check_pair(None, str(_folder(tmp_path / "c", DSPARK)))
 
 
 def test_verify_cli_says_one_line_and_exits_2(tmp_path):

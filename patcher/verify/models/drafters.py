@@ -22,6 +22,7 @@ import importlib
 import importlib.util
 import sys
 import types
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -32,9 +33,9 @@ _MODULE = "_ddpatch_drafters_dflash"
 def dflash_module():
     """The shipped DFlash-shaped drafter module (``vendored/dflash``), imported under a private name."""
     if _MODULE not in sys.modules:
-        from ... import shipped
-
-        folder = shipped("vendored") / "dflash" / "dflash"
+        package = Path(__file__).resolve().parents[2]  # patcher/: a wheel's data/vendored, else the checkout's vendored/
+        folder = next((p for p in (package / "data" / "vendored", package.parent / "vendored") if p.is_dir()),
+                      package / "data" / "vendored") / "dflash" / "dflash"
         spec = importlib.util.spec_from_file_location(_MODULE, folder / "__init__.py", submodule_search_locations=[str(folder)])
         module = importlib.util.module_from_spec(spec)
         sys.modules[_MODULE] = module

@@ -58,6 +58,22 @@ class DrafterKind:
                 "(vanilla Markov head) drafters only, and gives no DFlash verdict for another kind")
 
 
+#: The kinds whose acceptance verify's checks judge today. DFlash2's and DSpark's references exist
+#: (``patcher/verify/judge/kind_reference.py``) but are not wired into the acceptance checks yet: verify refuses
+#: those drafters in one line rather than judge them against DFlash's reference (a false red).
+VERIFY_JUDGES = ("dflash",)
+
+
+def verify_refusal(kind: DrafterKind, where: str) -> str | None:
+    """The one line verify prints for a ``--draft`` of this kind, or None where verify judges it."""
+    if not kind.supported:
+        return kind.refusal(where)
+    if kind.kind not in VERIFY_JUDGES:
+        return (f"{where}: a {kind.kind} drafter ({kind.found()}): verify's acceptance checks judge DFlash drafters only "
+                f"so far; a {kind.kind} drafter drafts otherwise, and a DFlash verdict on it would mean nothing")
+    return None
+
+
 def _get(config: dict, name: str):
     inner = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
     if name in config:
