@@ -492,8 +492,16 @@ def main(argv=None) -> int:
     ap.add_argument("--floor-new", type=int, default=FLOOR_NEW, help="the floor's new tokens per prompt (the shipped pair: %(default)s)")
     ap.add_argument("--floor-budgets", type=ints, default=FLOOR_BUDGETS,
                     help="the floor's tree budgets (the shipped pair: 4,8,16,32)")
+    ap.add_argument("--kind", choices=("dflash", "dflash2", "dspark"), default="dflash",
+                    help="dflash2/dspark: train that drafter for --out's target into --out/draft_KIND (tools/train_tiny_kinds.py)")
+    ap.add_argument("--confidence-head", action="store_true", help="--kind dspark: with a confidence head")
+    ap.add_argument("--no-sample-from-anchor", action="store_true", help="--kind dspark: the bonus-anchor layout")
     args = ap.parse_args(argv)
-    if args.measure:
+    if args.kind != "dflash":
+        import train_tiny_kinds
+
+        train_tiny_kinds.train_kind(args, sys.modules[__name__])
+    elif args.measure:
         figures = measure(args)
         print(json.dumps(figures))
     elif args.floor:

@@ -13,11 +13,13 @@ import json
 import struct
 from pathlib import Path
 
+from ..plumbing.drafter_kinds import kind_of, verify_refusal
+
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 #: what marks a drafter's config: DFlash's field, or an architecture named as upstream names its drafters
 DRAFTER_FIELDS = ("dflash_config",)
-DRAFTER_NAMES = ("DraftModel", "DFlash", "Eagle", "Medusa")
+DRAFTER_NAMES = ("DraftModel", "DFlash", "DSpark", "Eagle", "Medusa")
 
 
 class FolderError(ValueError):
@@ -111,4 +113,7 @@ def check_pair(target: str | None, draft: str | None) -> None:
             kind = ", ".join(config.get("architectures") or []) or config.get("model_type") or "model"
             raise FolderError(f"--draft {folder} is a {kind}, not a drafter (its config has no dflash_config): pass the "
                               "drafter's folder as --draft, or --scripted-draft to verify before a drafter exists")
+        why = verify_refusal(kind_of(config), f"--draft {folder}")  # one line naming the kind, never a DFlash verdict
+        if why:
+            raise FolderError(why)
         weights_of(folder, "--draft")
