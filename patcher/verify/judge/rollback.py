@@ -1,61 +1,14 @@
-"""The rows of a verify report that judge a method's runs: token identity (near-ties told from losses), the
-drafter oracle's verdict, whether the run could see a rollback bug at all (its acceptance histogram), and the
-mask id the scripted draft takes. ``checks.verify_model`` collects the runs."""
+"""The rollback oracle: could the run see a rollback bug at all? A commit that keeps the wrong number of tokens
+shows only after a round that accepted part of its block; the run's acceptance histogram (its recorder: the
+acceptance lengths each decode returns, or the logits oracle reads off its forwards) says whether such rounds ran.
+
+``rollback_check`` is the verdict and the ``rollback seen: METHOD`` row, ``method_rows`` names the scripted draft
+that made the rounds (or, for a real drafter, the command that scripts one), ``settle_rollback`` is the parent's
+settling over the models of a run."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from . import drafter_oracle, drafter_verdict
-from ..plumbing.events import error_summary
-
-
-@dataclass
-class MethodStats:
-    name: str
-    tokens: int = 0
-    seconds: float = 0.0
-    acceptance: list[int] = field(default_factory=list)
-    runs: list[dict] = field(default_factory=list)
-
-    def as_dict(self, baseline: "MethodStats | None") -> dict:
-        tps = self.tokens / self.seconds if self.seconds else 0.0
-        out = {
-            "method": self.name,
-            "tokens": self.tokens,
-            "seconds": round(self.seconds, 4),
-            "tokens_per_s": round(tps, 2),
-            "identical_runs": sum(r["verdict"]["identical"] for r in self.runs),
-            "near_ties": sum(len(r.get("ties", {}).get("near_ties", [])) for r in self.runs if r.get("ties", {}).get("kind") == "near-tie"),
-            "runs": self.runs,
-        }
-        if self.acceptance:
-            hist: dict[int, int] = {}
-            for a in self.acceptance:
-                hist[a] = hist.get(a, 0) + 1
-            out["acceptance_mean"] = round(sum(self.acceptance) / len(self.acceptance), 3)
-            out["acceptance_histogram"] = {str(k): v for k, v in sorted(hist.items())}
-        if baseline is not None and baseline.seconds and self.seconds and baseline.tokens:
-            out["speedup"] = round((self.tokens / self.seconds) / (baseline.tokens / baseline.seconds), 3)
-        return out
-
-
-def drafter_calibration(target, draft, prompt, reference, mask_token_id, block_size, stepped_hidden=None):
-    """(the drafter oracle's tolerances, None) or (None, why it cannot judge this drafter)."""
-    try:
-        return drafter_oracle.calibrate(target, draft, prompt, reference, mask_token_id, block_size, stepped_hidden), None
-    except drafter_oracle.Unbindable as exc:
-        return None, str(exc)
-    except Exception as exc:  # a drafter the reference forward cannot drive
-        return None, f"its from-scratch forward failed: {error_summary(exc)['error']}"
-
-
-def judge_drafter(drafted, target, draft, final, mask_token_id, dcal, reviewed=()):
-    """The drafter oracle's verdict on one decode; a reference it cannot compute is a skip, not a pass."""
-    try:
-        return drafter_verdict.judge(drafted, target, draft, final, mask_token_id, dcal, tuple(reviewed or ()))
-    except Exception as exc:
-        return drafter_verdict.DrafterVerdict(skipped=f"its from-scratch reference failed: {error_summary(exc)['error']}")
+from ..check import Check
 
 
 def first_partial(acceptance: list[int], block_size: int) -> int | None:
@@ -66,87 +19,6 @@ def first_partial(acceptance: list[int], block_size: int) -> int | None:
         if a < block_size:  # the state now holds rejected tokens: the next round's logits read it
             return done
     return None
-
-
-def lossless_check(name: str, runs: list[dict]) -> dict:
-    """Token identity, with near-ties told from losses (``neartie``) and the mask-token event named."""
-    kinds = [r.get("ties", {}).get("kind", "identical" if r["verdict"]["identical"] else "loss") for r in runs]
-    identical = sum(r["verdict"]["identical"] for r in runs)
-    lost = [r for r, k in zip(runs, kinds) if k == "loss" or "error" in r]
-    masked = [r for r, k in zip(runs, kinds) if k == "mask-token"]
-    tied = [r for r, k in zip(runs, kinds) if k in ("near-tie", "routing")]
-    check = {"check": f"lossless: {name}", "passed": bool(runs) and not lost and not masked}
-    if lost:
-        first = lost[0]
-        why = first.get("description") or first.get("error", "failed")
-        if first.get("ties_description") and first["ties"]["kind"] == "loss":
-            why += "; " + first["ties_description"]
-        check["evidence"] = f"{len(lost)}/{len(runs)} runs differ; prompt {first['prompt']}: {why}"
-    elif masked:
-        check.update(inconclusive=True, evidence=f"prompt {masked[0]['prompt']}: {masked[0]['ties_description']}")
-    elif tied:
-        check["evidence"] = (f"{identical}/{len(runs)} runs token-identical, {len(tied)} within near-ties or routing flips; "
-                             f"prompt {tied[0]['prompt']}: {tied[0]['ties_description']}")
-    else:
-        check["evidence"] = f"{len(runs)}/{len(runs)} runs token-identical"
-    return check
-
-
-def never_emitted(target, prompts, references) -> int:
-    """A mask id for the scripted draft that the target's reference runs never emit: of the ids absent
-    from every reference and every prompt, the one whose largest logit over the reference positions is lowest.
-    Not a prompt id: upstream decoders drop the mask id from the whole row, prompt included."""
-    import torch
-
-    seen = {t for ref in references for t in ref} | {int(t) for prompt in prompts for t in prompt.flatten().tolist()}
-    worst = None
-    from .oracle import plain_forward
-
-    with torch.inference_mode():
-        for prompt, ref in zip(prompts, references):
-            # the forward the oracles ask for again
-            shared = plain_forward(target, prompt[0].tolist() + list(ref), hidden_states=True)
-            if shared is not None:
-                top = shared[0].amax(dim=0).clone()
-            else:
-                ids = torch.cat([prompt, torch.tensor([ref], device=prompt.device)], dim=1) if ref else prompt
-                top = target(ids, use_cache=False).logits[0].float().amax(dim=0).cpu().clone()
-            worst = top if worst is None else torch.maximum(worst, top)
-    worst = worst.clone()  # out of inference mode
-    if seen:
-        worst[list(seen)] = float("inf")
-    return int(worst.argmin())
-
-
-def drafter_check(name: str, runs: list[dict], skipped: str | None = None) -> dict:
-    """The ``drafter: METHOD`` check over a method's runs (each may hold a ``drafter`` verdict): a drafter the oracle
-    cannot bind, or a reference it cannot compute, is a visible ``skip``, never a pass."""
-    check = {"check": f"drafter: {name}"}
-    judged = [r for r in runs if "drafter" in r]
-    skips = [r["drafter_description"] for r in judged if r["drafter"].get("skipped")]
-    if skipped or (judged and len(skips) == len(judged)):
-        return {**check, "passed": True, "skipped": True, "evidence": f"drafter oracle: skipped ({skipped})" if skipped else skips[0]}
-    errors = [r for r in runs if "error" in r]
-    over = [r for r in judged if not r["drafter"]["passed"]]
-    if errors and not judged:
-        evidence = errors[0].get("error", "failed")
-    elif over:
-        evidence = f"{len(over)}/{len(judged)} runs differ; prompt {over[0]['prompt']}: {over[0]['drafter_description']}"
-        check["failures"] = over[0]["drafter"]["failures"][:8]
-    elif judged:
-        worst = {k: max(r["drafter"]["worst"].get(k, 0.0) for r in judged) for k in judged[0]["drafter"]["worst"]}
-        top = [sum(r["drafter"]["top1"][i] for r in judged) for i in (0, 1)]
-        evidence = (f"{len(judged)}/{len(judged)} runs, {sum(r['drafter']['rounds'] for r in judged)} drafter calls equal a "
-                    "from-scratch drafter forward; max |Δ| " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
-                    + f"; proposals {top[0]}/{top[1]}")
-        reviewed = [e for r in judged for e in r["drafter"].get("reviewed") or ()]
-        if reviewed:
-            fields = ", ".join(sorted({e["field"] for e in reviewed}))
-            evidence += (f"; reviewed deliberate difference ({fields}) in {len(reviewed)} rounds, e.g. round {reviewed[0]['round']}: "
-                         f"{reviewed[0]['detail']}")
-    else:
-        evidence = "no run"
-    return {**check, "passed": bool(judged) and not over and not errors, "evidence": evidence}
 
 
 def rollback_check(name: str, acceptance: list[int], block_size: int, where: str = "", scripted: str = "") -> dict:
@@ -160,21 +32,35 @@ def rollback_check(name: str, acceptance: list[int], block_size: int, where: str
     shown = " ".join(f"{k}:{v}" for k, v in sorted(hist.items())) or "none"
     partial = [a for a in acceptance if (1 < a < block_size if block_size > 2 else a < block_size)]
     need = min(MIN_DISTINCT, block_size)
-    check = {"check": f"rollback seen: {name}", "histogram": {str(k): v for k, v in sorted(hist.items())}}
+    histogram = {str(k): v for k, v in sorted(hist.items())}
     prefix = f"{where}: " if where else ""
     tail = f"; {scripted}" if scripted else ""
     if not acceptance:
-        return {**check, "passed": False, "inconclusive": True, "evidence": f"{prefix}inconclusive: no round ran{tail}"}
-    if not partial:
+        evidence = f"{prefix}inconclusive: no round ran{tail}"
+    elif not partial:
         why = ("no round accepted part of its block (1 < accepted < block size)" if block_size > 2 else "no round rejected a proposal")
-        return {**check, "passed": False, "inconclusive": True, "evidence": (
-            f"{prefix}inconclusive: the run could not see a rollback bug: {why}; accept histogram {shown}{tail}")}
-    if len(hist) < need:
-        return {**check, "passed": False, "inconclusive": True, "evidence": (
-            f"{prefix}inconclusive: the run could not see a rollback bug: {len(hist)} distinct acceptance lengths, at least "
-            f"{need} needed; accept histogram {shown}{tail}")}
-    return {**check, "passed": True, "evidence": f"{prefix}{len(partial)} of {len(acceptance)} rounds accepted part of their block; "
-                                                 f"accept histogram {shown}{tail}"}
+        evidence = f"{prefix}inconclusive: the run could not see a rollback bug: {why}; accept histogram {shown}{tail}"
+    elif len(hist) < need:
+        evidence = (f"{prefix}inconclusive: the run could not see a rollback bug: {len(hist)} distinct acceptance lengths, at least "
+                    f"{need} needed; accept histogram {shown}{tail}")
+    else:
+        return Check.of(f"rollback seen: {name}", histogram=histogram, passed=True, evidence=(
+            f"{prefix}{len(partial)} of {len(acceptance)} rounds accepted part of their block; accept histogram {shown}{tail}")).to_json()
+    return Check.of(f"rollback seen: {name}", histogram=histogram, passed=False, inconclusive=True, evidence=evidence).to_json()
+
+
+def method_rows(loop, method, earlier: list) -> list[dict]:
+    """``rollback seen: METHOD`` for a method with a drafter, naming the scripted draft of its first run; a real
+    drafter's inconclusive row says how to script one (and is marked ``real_drafter`` for ``settle_rollback``)."""
+    if method.kind == "target":
+        return []
+    described = "; ".join(dict.fromkeys(s.describe() for s in loop.scripts[method.name][:1]))
+    row = rollback_check(method.name, loop.stats[method.name].acceptance, loop.block_size,
+                         scripted=f"scripted draft: {described}" if described else "")
+    if loop.real and row.get("inconclusive") and loop.cfg.get("target"):
+        row["evidence"] += ("; a real drafter's rounds accept what it predicts: run the same command with --scripted-draft "
+                            "in place of --draft, whose scripted draft accepts part of its blocks")
+    return [{**row, "real_drafter": loop.real}]
 
 
 def settle_rollback(result: dict | None) -> dict | None:
