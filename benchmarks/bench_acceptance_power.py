@@ -64,7 +64,7 @@ def reference(target, draft, prompts: list[list[int]], methods: list[str], n: in
     acceptance and the reachable set at every start, and the floor over the judged starts."""
     import torch
 
-    rd = verifier_module("patcher.verify.judge.reference_decode", "patcher.verify.reference_decode")
+    rd = verifier_module("patcher.verify.judge.acceptance.reference_decode", "patcher.verify.judge.reference_decode", "patcher.verify.reference_decode")
     acc = verifier_module("patcher.verify.judge.acceptance", "patcher.verify.acceptance")
     greedy = verifier_module("patcher.verify.models.load", "patcher.verify.models").greedy
     pair = rd.ScratchPair(target, draft, draft.mask_token_id, block)
@@ -114,7 +114,7 @@ def _mean(xs) -> float:
 
 def compare(runs: list[dict], ref: dict, m: str) -> dict:
     """One method of one tree against the reference: means, exactness, floor, and the judged rounds that differ."""
-    rd = verifier_module("patcher.verify.judge.reference_decode", "patcher.verify.reference_decode")
+    rd = verifier_module("patcher.verify.judge.acceptance.reference_decode", "patcher.verify.judge.reference_decode", "patcher.verify.reference_decode")
     horizon, rows, first, ref_rows = ref["horizon"], [], None, []
     above = below = differ = judged = 0
     below_floor = []

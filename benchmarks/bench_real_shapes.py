@@ -160,15 +160,16 @@ def target_folder(root: Path, vocab: int, layers: int, seed: int, kind: str = "r
 #: (module of patcher.verify, attribute path): the steps ``--profile`` times.
 PROFILED = (
     ("models.load", "load_real"), ("models.load", "greedy"), ("models.load", "multi_token_consistent"),
-    ("judge.checks", "verify_model"), ("judge.rows", "never_emitted"), ("judge.rows", "drafter_calibration"),
-    ("judge.rows", "judge_drafter"), ("judge.calibration", "calibrate"), ("subjects.binding", "call_generate"),
+    ("judge.one_model", "verify_model"), ("judge.decode_loop", "never_emitted"), ("judge.drafter.verdict", "calibrated"),
+    ("judge.drafter.verdict", "judge_or_skip"), ("judge.calibration", "calibrate"), ("subjects.binding", "call_generate"),
     ("models.script", "ScriptedDraft.__init__"), ("models.script", "ScriptedDraft._extend"),
-    ("models.script", "ScriptedDraft._target_rows"), ("judge.oracle", "reference_logits"), ("judge.oracle", "judge_logits"),
-    ("judge.drafter_oracle", "calibrate"), ("judge.drafter_verdict", "judge"), ("judge.drafter_oracle", "Reference.__init__"),
-    ("judge.drafter_oracle", "reference_output"), ("judge.drafter_verdict", "_nearest"), ("judge.drafter_verdict", "_noise"),
-    ("judge.drafter_verdict", "_output"), ("judge.neartie", "judge_ties"),
-    ("judge.pair_reference", "floor_for"), ("judge.pair_reference", "in_run_floor"), ("judge.pair_reference", "epsilon_of"),
-    ("judge.pair_reference", "prompt_entry"), ("judge.acceptance_verdict", "method_check"),
+    ("models.script", "ScriptedDraft._target_rows"), ("judge.logits", "reference_logits"), ("judge.logits", "judge_logits"),
+    ("judge.drafter.recorder", "calibrate"), ("judge.drafter.verdict", "judge"), ("judge.drafter.recorder", "Reference.__init__"),
+    ("judge.drafter.recorder", "reference_output"), ("judge.drafter.verdict", "_nearest"), ("judge.drafter.verdict", "_noise"),
+    ("judge.drafter.verdict", "_output"), ("judge.neartie", "judge_ties"),
+    ("judge.acceptance.pair_reference", "floor_for"), ("judge.acceptance.pair_reference", "in_run_floor"),
+    ("judge.acceptance.pair_reference", "epsilon_of"), ("judge.acceptance.pair_reference", "prompt_entry"),
+    ("judge.acceptance.verdict", "method_check"),
 )
 
 

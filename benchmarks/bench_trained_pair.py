@@ -61,8 +61,8 @@ def load(tree: Path, pair: Path):
 
 def reference_acceptance(pair: Path, n_prompts: int, new: int, block: int) -> dict:
     """Per method, the mean acceptance of ddpatch's from-scratch reference decode (the stored floor file)."""
-    from patcher.verify.judge.acceptance import FLOOR_FILE
-    from patcher.verify.judge.reference_decode import walk
+    from patcher.verify.judge.acceptance.floor import FLOOR_FILE
+    from patcher.verify.judge.acceptance.reference_decode import walk
 
     path = pair / FLOOR_FILE
     if not path.is_file():

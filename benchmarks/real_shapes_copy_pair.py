@@ -336,9 +336,9 @@ def load_pair(target_dir: Path, draft_dir: Path | None, tree: Path):
 
 
 def acceptance(target, draft, info: dict, plist: list[list[int]], new_tokens: int) -> dict:
-    """The from-scratch DFlash chain decode (``patcher.verify.judge.reference_decode``) of every prompt."""
+    """The from-scratch DFlash chain decode (``patcher.verify.judge.acceptance.reference_decode``) of every prompt."""
     sys.path.insert(0, str(ROOT))
-    from patcher.verify.judge.reference_decode import ScratchPair, decode
+    from patcher.verify.judge.acceptance.reference_decode import ScratchPair, decode
 
     pair = ScratchPair(target, draft, info["vocab"] - 1, DRAFT_BLOCK)
     rounds, texts, start = [], [], time.perf_counter()

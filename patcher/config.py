@@ -43,7 +43,7 @@ KEYS = {
 }
 
 
-#: The drafter inputs a verify may record as deliberately different (``patcher.verify.judge.drafter_verdict.REVIEWABLE``).
+#: The drafter inputs a verify may record as deliberately different (``patcher.verify.judge.drafter.verdict.REVIEWABLE``).
 REVIEWABLE = ("noise", "positions", "features")
 
 

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from patcher.verify.judge import acceptance_verdict as acceptance, reference_decode as rd
+from patcher.verify.judge.acceptance import reference_decode as rd, verdict as acceptance
 
 
 def _brute_force_best(logprobs, budget):

@@ -65,10 +65,10 @@ def test_the_graph_check_fails_on_an_upward_import_a_cycle_and_a_long_module(gra
     _append(root / "patcher" / "report" / "diff.py", "\nfrom ..cli import main\n")
     _append(root / "patcher" / "verify" / "models" / "load.py", "\nfrom ...results import Outcome\n")  # the child reaches out
     _append(root / "patcher" / "runtime" / "verify.py", "\nimport transformers\n")  # at module level
-    _append(root / "patcher" / "verify" / "models" / "script.py", "\nfrom ..judge import oracle\n")  # verify's floors: up
+    _append(root / "patcher" / "verify" / "models" / "script.py", "\nfrom ..judge import logits\n")  # verify's floors: up
     _append(root / "patcher" / "verify" / "subjects" / "binding.py", "\nfrom ..models import load\n")  # sideways, same floor
     _append(root / "patcher" / "verify" / "child" / "warm.py", "\n\ndef _up():\n    from ..process import runner\n")  # the child: up
-    _append(root / "patcher" / "verify" / "check.py", "\nimport torch\nfrom .judge import oracle\n")  # the shared leaf reaches out
+    _append(root / "patcher" / "verify" / "check.py", "\nimport torch\nfrom .judge import logits\n")  # the shared leaf reaches out
     _append(root / "patcher" / "api.py", "\n" * 500)
     (root / "patcher" / "ci" / "__init__.py").write_text('"""ci."""\n')
     found = "\n".join(graph.analyse(root)["violations"])
@@ -78,11 +78,11 @@ def test_the_graph_check_fails_on_an_upward_import_a_cycle_and_a_long_module(gra
     assert "patcher.report.diff imports patcher.cli: nothing imports the CLI" in found
     assert "patcher.verify.models.load imports patcher.results: the verifier's child modules" in found
     assert "patcher.runtime.verify imports transformers" in found
-    assert "patcher.verify.models.script imports patcher.verify.judge.oracle: verify's models (floor 3) may import only lower" in found
+    assert "patcher.verify.models.script imports patcher.verify.judge.logits: verify's models (floor 3) may import only lower" in found
     assert "patcher.verify.subjects.binding imports patcher.verify.models.load: verify's subjects (floor 3)" in found
     assert "patcher.verify.child.warm imports patcher.verify.process.runner: verify's child (floor 1) may import only lower" in found
     assert "patcher.verify.check imports torch: a shared leaf imports only the stdlib" in found
-    assert "patcher.verify.check imports patcher.verify.judge.oracle: a shared leaf imports nothing of patcher" in found
+    assert "patcher.verify.check imports patcher.verify.judge.logits: a shared leaf imports nothing of patcher" in found
     assert "patcher.api:" in found and "over 500" in found
     assert "patcher.ci/__init__.py: its docstring must be two lines" in found
 

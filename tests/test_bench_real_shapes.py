@@ -48,7 +48,7 @@ def test_every_profiled_step_is_found(bench):
                 break
     assert not missing, f"steps the profile would list as absent: {missing}"
     names = {m for m, _ in bench.PROFILED}
-    assert {"judge.pair_reference", "judge.acceptance_verdict", "models.load"} <= names  # the judged path's own steps
+    assert {"judge.acceptance.pair_reference", "judge.acceptance.verdict", "models.load"} <= names  # the judged path's own steps
 
 
 def test_the_judged_profile_checks_its_options_as_verify_does(bench, tmp_path):
@@ -82,7 +82,7 @@ def test_the_copy_pairs_drafter_proposes_the_anchor_at_every_block_position(copy
     """The hand-set drafter predicts: at every start of a prompt it proposes the round's anchor token at each of the
     block's 15 positions (through the target's LM head, which holds the embedding's values), so a round accepts the
     rest of the target's run of that token. A random drafter would propose it at about 1 position in 4,096."""
-    from patcher.verify.judge.reference_decode import ScratchPair
+    from patcher.verify.judge.acceptance.reference_decode import ScratchPair
 
     pair, info, target, draft = copy_pair
     scratch = ScratchPair(target, draft, info["mask_token_id"], draft.block_size)

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from patcher.verify.judge import calibration, checks, neartie, oracle
+from patcher.verify.judge import calibration, decode_loop, logits as oracle, neartie, tokens
+from patcher.verify.models.script import ScriptedDraft
 from patcher.verify.models import load as models
 from patcher.verify.models.presets import build_target
 
@@ -93,8 +94,8 @@ def test_a_planted_near_tie_is_a_near_tie_and_passes(tied_target):
     verdict = _judge(target, prompt, reference, new, epsilon=0.02)
     assert verdict.kind == "near-tie" and verdict.ok, verdict.describe()
     assert verdict.ties[0]["position"] == k and {verdict.ties[0]["argmax"], verdict.ties[0]["emitted"]} == {5, 6}
-    run = {"prompt": 0, "verdict": oracle.compare(reference, new).as_dict(), "ties": verdict.as_dict(), "ties_description": verdict.describe()}
-    check = checks.lossless_check("dflash", [run])
+    run = {"prompt": 0, "verdict": tokens.compare(reference, new).as_dict(), "ties": verdict.as_dict(), "ties_description": verdict.describe()}
+    check = tokens.lossless_check("dflash", [run])
     assert check["passed"] and "near-tie" in check["evidence"]
 
 
@@ -107,8 +108,8 @@ def test_a_planted_real_loss_at_the_same_position_fails(tied_target):
     new += models.greedy(target, torch.tensor([prompt[0].tolist() + new]), len(reference) - len(new))
     verdict = _judge(target, prompt, reference, new, epsilon=0.02)
     assert verdict.kind == "loss" and not verdict.ok and verdict.worst["position"] == k
-    run = {"prompt": 0, "verdict": oracle.compare(reference, new).as_dict(), "ties": verdict.as_dict(), "ties_description": verdict.describe()}
-    assert not checks.lossless_check("dflash", [run])["passed"]
+    run = {"prompt": 0, "verdict": tokens.compare(reference, new).as_dict(), "ties": verdict.as_dict(), "ties_description": verdict.describe()}
+    assert not tokens.lossless_check("dflash", [run])["passed"]
 
 
 def test_a_tie_at_the_divergence_then_a_token_far_from_its_argmax_is_a_loss():
@@ -129,8 +130,8 @@ def test_the_targets_own_mask_token_is_named_not_called_a_loss():
     reference, new = [3, 7, 9, 4], [3, 9, 4]  # the decoder dropped the mask id 7
     verdict = neartie.judge_ties(reference, new, torch.zeros(10, 12), 6, 0.01, mask_token_id=7)
     assert verdict.kind == "mask-token" and "emitted the drafter's mask token at new token 1" in verdict.describe()
-    run = {"prompt": 0, "verdict": oracle.compare(reference, new).as_dict(), "ties": verdict.as_dict(), "ties_description": verdict.describe()}
-    check = checks.lossless_check("dflash", [run])
+    run = {"prompt": 0, "verdict": tokens.compare(reference, new).as_dict(), "ties": verdict.as_dict(), "ties_description": verdict.describe()}
+    check = tokens.lossless_check("dflash", [run])
     assert not check["passed"] and check["inconclusive"]
 
 
@@ -141,7 +142,7 @@ def test_the_scripted_mask_id_is_never_emitted_by_the_reference():
     prompts = models.random_prompts(2, 8, 0, 63)
     refs = [models.greedy(target, p, 16) for p in prompts]
     assert any(63 in r for r in refs)
-    mask = checks.never_emitted(target, prompts, refs)
+    mask = decode_loop.never_emitted(target, prompts, refs)
     assert all(mask not in r for r in refs)
 
 
@@ -156,14 +157,14 @@ def test_the_scripted_mask_id_is_not_a_prompt_token():
         logits[..., 9] = -100.0
         return SimpleNamespace(logits=logits)
 
-    mask = checks.never_emitted(target, [prompt], [[1, 2]])
+    mask = decode_loop.never_emitted(target, [prompt], [[1, 2]])
     assert mask not in (5, 9, 3, 1, 2) and mask == 0
 
 
 def test_the_sampled_scripted_draft_proposes_from_the_targets_distribution():
     target = build_target("tiny-qwen3_5")
     reference = models.random_prompts(1, 12, 0, 60)[0][0].tolist()
-    script = oracle.ScriptedDraft(target, reference, seed=0, from_distribution=True)
+    script = ScriptedDraft(target, reference, seed=0, from_distribution=True)
     forced = oracle.reference_logits(target, reference)
     script.rows = script._target_rows([4, 5, 6])  # a block at positions 4..6 on the reference's context
     z = script.logits_for(5)

@@ -79,3 +79,20 @@ def test_every_format_renders_a_check_by_its_status():
     assert "<td>rollback seen: dflash</td><td class='inc'>inconclusive</td>" in html
     control = render_html(Outcome({"checks": [], "models": [{"model": "m", "checks": [ROWS[4]]}]}, 1.0), "PASS")
     assert "<td class='pass'>pass</td>" in control  # HTML shows a control row as a pass, as it always has
+
+
+def test_the_oracles_rows_keep_the_key_order_the_report_always_printed():
+    """The oracles make their rows with ``Check.of``: the JSON keys come out in the order the rows had as dict
+    literals (a report stays byte-for-byte what it was), figures between ``passed`` and ``evidence`` included."""
+    from patcher.verify.judge.drafter.verdict import class_row, method_check
+    from patcher.verify.judge.rollback import rollback_check
+    from patcher.verify.judge.tokens import lossless_check
+
+    assert list(rollback_check("m", [1, 1], 4)) == ["check", "histogram", "passed", "inconclusive", "evidence"]
+    assert list(rollback_check("m", [2, 3, 1], 4)) == ["check", "histogram", "passed", "evidence"]
+    masked = [{"prompt": 0, "verdict": {"identical": False}, "ties": {"kind": "mask-token"}, "ties_description": "d"}]
+    assert list(lossless_check("m", masked)) == ["check", "passed", "inconclusive", "evidence"]
+    bad = {"passed": False, "failures": [1], "worst": {}, "top1": [0, 0], "rounds": 1}
+    assert list(method_check("m", [{"prompt": 0, "drafter": bad, "drafter_description": "b"}])) == [
+        "check", "failures", "passed", "evidence"]
+    assert list(class_row("C", "why", False)) == ["check", "passed", "info", "evidence"]

@@ -171,7 +171,7 @@ def test_verify_reads_its_decoders_and_reviewed_differences_from_the_config(tmp_
 def test_the_reviewable_drafter_inputs_are_one_list():
     from patcher import config
     from patcher.commands.verify import verify as verify_command
-    from patcher.verify.judge import drafter_verdict
+    from patcher.verify.judge.drafter import verdict as drafter_verdict
 
     choices = next(p.type.choices for p in verify_command.params if p.name == "reviewed")
     assert config.REVIEWABLE == drafter_verdict.REVIEWABLE == tuple(choices)

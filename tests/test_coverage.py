@@ -1,6 +1,6 @@
 """Coverage, stated by line and by flag (docs/verifier.md#coverage-by-line-and-by-flag): what a decoder's code is
 (``subjects.coverage``), the row that names what never ran and fails what can change tokens behind a parameter
-(``judge.coverage_rows``), the collector (coverage.py, ``judge.coverage_runs``) and, end to end, a KV-trim flag
+(``judge.coverage.rows``), the collector (coverage.py, ``judge.coverage.runs``) and, end to end, a KV-trim flag
 planted in the real DDTree: named by flag and lines, and run with its True value, failing on the hybrid."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from patcher.verify.judge import coverage_rows
+from patcher.verify.judge.coverage import rows as coverage_rows
 from patcher.verify.subjects.binding import BindError, call_generate
 from patcher.verify.subjects.decoder_code import decoder_code
 from patcher.verify.subjects.reach import Tree
@@ -169,7 +169,7 @@ def test_the_lines_after_an_early_return_are_behind_its_test(tmp_path):
 
 
 def test_mode_runs_are_planned_one_value_at_a_time_then_the_combination_a_branch_still_needs(tmp_path):
-    from patcher.verify.judge.coverage_runs import plan
+    from patcher.verify.judge.coverage.runs import plan
 
     both = FORK.replace("if trim:", "if trim_kv and attention == 'tree':")
     (tmp_path / "fork.py").write_text(both)
@@ -199,7 +199,7 @@ def test_a_warning_row_reads_warn_and_passes_the_verdict(capsys):
 
 def test_the_collector_keeps_each_decoders_lines_apart(tmp_path):
     pytest.importorskip("coverage")
-    from patcher.verify.judge.coverage_runs import Collector
+    from patcher.verify.judge.coverage.runs import Collector
 
     (tmp_path / "flagged.py").write_text("def f(flag=False):\n    x = 1\n    if flag:\n        x = 2\n    return x\n")
     spec = importlib.util.spec_from_file_location("flagged_for_coverage", tmp_path / "flagged.py")

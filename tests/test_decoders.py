@@ -237,7 +237,7 @@ def test_a_decoder_is_never_run_with_a_drafter_class_that_lacks_what_it_calls():
 
 
 def test_a_drafter_class_the_verifier_cannot_build_fails_naming_what_it_lacks():
-    from patcher.verify.judge.checks import drafter_class_row
+    from patcher.verify.judge.drafter.verdict import class_row as drafter_class_row
 
     row = drafter_class_row("DFlash2DraftModel", "AttributeError: 'Qwen3Config' object has no attribute 'sample_from_anchor'", True)
     assert not row["passed"] and "its code reads config.sample_from_anchor" in row["evidence"], row

@@ -197,8 +197,8 @@ def test_a_drafter_it_cannot_bind_is_a_visible_skip_not_a_pass(full, tmp_path):
 
 
 def test_the_verdict_names_the_first_round_every_field_and_a_hint():
-    from patcher.verify.judge.checks import drafter_check as method_check
-    from patcher.verify.judge.drafter_verdict import DrafterVerdict
+    from patcher.verify.judge.drafter.verdict import method_check
+    from patcher.verify.judge.drafter.verdict import DrafterVerdict
 
     verdict = DrafterVerdict(rounds=3, failures=[(1, "features", "max |Δ| 4.0e-02"), (1, "output", "max |Δ| 1.1e+00"), (2, "output", "x")])
     text = verdict.describe()

@@ -413,8 +413,8 @@ def sampling_pair(name: str):
 
 
 def second_token_test(model, ids, counts):
-    from patcher.verify.judge.checks import second_token_distribution
-    from patcher.verify.judge.oracle import chi_square_test
+    from patcher.verify.judge.distribution import second_token_distribution
+    from patcher.verify.judge.distribution import chi_square_test
 
     return chi_square_test(counts, second_token_distribution(model, ids, {"temperature": 0.8}))
 

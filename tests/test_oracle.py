@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from patcher.verify.judge import oracle
-from patcher.verify.judge.oracle import LogitsRecorder, chi_square_test, committed_rows, judge_logits, reference_logits
+from patcher.verify.judge import logits as oracle
+from patcher.verify.judge.distribution import chi_square_test
+from patcher.verify.judge.logits import LogitsRecorder, committed_rows, judge_logits, reference_logits
+from patcher.verify.models import script as scripted
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE_ONLY = "verify-forward,tree-commit"
@@ -115,7 +117,7 @@ def decode(fns, kind: str, perturb_call: int | None = None, eps: float = 1e-5, s
     draft = drafts["DFlashDraftModel"]
     prompt = torch.randint(0, mask, (1, 8), generator=torch.Generator().manual_seed(seed))
     reference = greedy(target, prompt, new_tokens)
-    script = oracle.ScriptedDraft(target, prompt[0].tolist() + reference, seed=seed, forbidden=[mask])
+    script = scripted.ScriptedDraft(target, prompt[0].tolist() + reference, seed=seed, forbidden=[mask])
     handles = [script.attach(draft)]
     seen = {"calls": 0, "position": None}
 
@@ -195,7 +197,7 @@ def test_the_followed_reference_is_computed_only_as_far_as_a_block_reads_it(full
     continuation at every follow (as it did before it was made lazy)."""
     made = []
 
-    class Lazy(oracle.ScriptedDraft):
+    class Lazy(scripted.ScriptedDraft):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             made.append(self)
@@ -211,7 +213,7 @@ def test_the_followed_reference_is_computed_only_as_far_as_a_block_reads_it(full
 
     runs = {}
     for cls in (Lazy, Eager):
-        monkeypatch.setattr(oracle, "ScriptedDraft", cls)
+        monkeypatch.setattr(scripted, "ScriptedDraft", cls)
         # seed 1: a block is accepted whole after the path has left the reference, so the next
         # block reads past what was computed (the lazy extension runs between two blocks)
         new, reference, acceptance, _verdict, _ = decode(full_tree, kind, perturb_call=3, eps=3.0, new_tokens=48, seed=1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from patcher.verify.judge import acceptance, pair_reference
+from patcher.verify.judge.acceptance import floor as acceptance, pair_reference
 from patcher.verify.models.load import greedy
 from patcher.verify.models.trained import FOLDER_PRESETS
 
@@ -49,7 +49,7 @@ def test_this_runs_reference_equals_the_stored_floor_on_the_shipped_pair(shipped
 
 def test_a_run_takes_the_stored_floor_only_where_it_covers_the_run(shipped):
     stored, target, draft, prompts, refs = shipped
-    from patcher.verify.judge.drafter_oracle import DrafterCalibration
+    from patcher.verify.judge.drafter.recorder import DrafterCalibration
 
     cal = DrafterCalibration("float32", {"features": 1e-6, "output": 1e-6}, {"features": 1e-4, "output": 1e-4})
     tensors = [torch.tensor([p]) for p in prompts[:2]]
@@ -71,7 +71,7 @@ def test_a_run_takes_the_stored_floor_only_where_it_covers_the_run(shipped):
 def test_the_heads_largest_row_norm_is_read_a_chunk_at_a_time(monkeypatch):
     """epsilon's ``|LM head row|_1``: no float32 copy of the whole head (a real one is 5 GB), the same figure to the bit,
     and computed again once the head changes."""
-    from patcher.verify.judge import reference_decode
+    from patcher.verify.judge.acceptance import reference_decode
 
     torch.manual_seed(0)
     head = torch.nn.Linear(48, 1000, bias=False).to(torch.bfloat16)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 from patcher.referee.reference import engine_floor, engine_rounds
-from patcher.verify.judge.reference_decode import floor, walk
+from patcher.verify.judge.acceptance.reference_decode import floor, walk
 
 
 def _upstream_walk(at, n, stop_at=None):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from patcher.verify.judge import calibration, oracle, routers
+from patcher.verify.judge import calibration, logits as oracle, routers, tokens
 from patcher.verify.models import load as models
 from patcher.verify.models.presets import build_target
 
@@ -181,7 +181,7 @@ def test_a_divergence_after_a_followed_routing_flip_is_judged_on_the_decodes_exp
     """Greedy (other experts from new token 1 on) emitted 7 at new token 1, the decode 8, which is the argmax of the
     reference that follows the decode's experts: a flip at position 4 (decides new token 1) or earlier explains it; a
     flip after it, or none, does not (8 lies 1.0 below 7 in those logits: a loss)."""
-    from patcher.verify.judge import checks, neartie
+    from patcher.verify.judge import neartie
 
     reference, new = [3, 7, 9, 4], [3, 8, 9, 4]
     forced = _forced(new)
@@ -192,12 +192,12 @@ def test_a_divergence_after_a_followed_routing_flip_is_judged_on_the_decodes_exp
         forced[4, 7] = 2.0  # without a flip the greedy token is the plain reference's argmax there
     verdict = neartie.judge_ties(reference, new, forced, 4, 0.02, max_new_tokens=4)
     assert verdict.kind == kind, verdict.describe()
-    run = {"prompt": 0, "verdict": oracle.compare(reference, new).as_dict(), "ties": verdict.as_dict(),
+    run = {"prompt": 0, "verdict": tokens.compare(reference, new).as_dict(), "ties": verdict.as_dict(),
            "ties_description": verdict.describe()}
-    assert checks.lossless_check("dflash", [run])["passed"] is (kind == "routing")
+    assert tokens.lossless_check("dflash", [run])["passed"] is (kind == "routing")
     if kind == "routing":
         assert verdict.flip_at == flip_position - 3 and "after a routing flip at new token" in verdict.describe()
-        assert "routing flips" in checks.lossless_check("dflash", [run])["evidence"]
+        assert "routing flips" in tokens.lossless_check("dflash", [run])["evidence"]
 
 
 def test_the_router_floor_is_measured_and_the_router_tolerance_is_a_fixed_multiple_of_it():

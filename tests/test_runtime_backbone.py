@@ -217,7 +217,7 @@ def test_a_backbone_that_ignores_the_tree_mask_is_refused_in_one_line():
 def test_the_verifier_sees_the_forks_backbone_calls_once_each(name, how):
     """``ddpatch verify``'s logits oracle records a decoding forward the fork runs on the backbone, with the logits
     its own head gives, once per call (not again from inside the full model's forward), and judges them exact."""
-    from patcher.verify.judge import oracle
+    from patcher.verify.judge import logits as oracle
 
     m, backbone = _backbone(name, how)
     prompt = torch.randint(0, VOCAB_DRAW, (1, 7), generator=torch.Generator().manual_seed(4))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from patcher.verify.judge.oracle import chi_square_test, sampling_distribution
+from patcher.verify.judge.distribution import chi_square_test, sampling_distribution
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLED = ("--temperature", "0.8", "--seeds", "0", "--prompts", "2", "--max-new-tokens", "24", "--sampling-runs", "60")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from patcher.verify.judge.rows import rollback_check, settle_rollback
+from patcher.verify.judge.rollback import rollback_check, settle_rollback
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--greedy-only", "--seeds", "0", "--prompts", "2", "--max-new-tokens", "24", "--format", "json"]

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from patcher.verify.judge import calibration, drafter_oracle, oracle
+from patcher.verify.judge import calibration, logits as oracle
+from patcher.verify.judge.drafter import recorder as drafter_oracle
 from patcher.verify.models import load as models
 from patcher.verify.models.presets import build_target
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from patcher import api
-from patcher.verify.judge import acceptance
+from patcher.verify.judge.acceptance import floor as acceptance
 from patcher.verify.models import trained
 from patcher.verify.models.presets import PRESETS
 from test_drafter_oracle import BUGS, CHAIN, TREE_, edit
@@ -161,7 +161,7 @@ def test_the_floor_is_reproduced_by_the_reference_decoders_and_equals_the_patche
     import torch
     from transformers import AutoModelForCausalLM
 
-    from patcher.verify.judge import reference_decode as rd
+    from patcher.verify.judge.acceptance import reference_decode as rd
     from patcher.verify.models.load import greedy
 
     data = json.loads(FLOOR.read_text())

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from patcher.verify.judge.oracle import compare
+from patcher.verify.judge.tokens import compare
 
 ROOT = Path(__file__).resolve().parent.parent
 HYBRID = ["tiny-qwen3_5", "tiny-qwen3_5-vlm", "tiny-qwen3_5-moe", "tiny-qwen3-next"]

@@ -229,7 +229,7 @@ def test_the_logits_recorder_finds_the_cache_by_type_not_keyword(keyword):
     import torch
     from transformers import DynamicCache
 
-    from patcher.verify.judge.oracle import LogitsRecorder
+    from patcher.verify.judge.logits import LogitsRecorder
 
     class Target(torch.nn.Module):
         def forward(self, input_ids, **kwargs):

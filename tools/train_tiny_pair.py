@@ -23,9 +23,9 @@ leaves ``acceptance_floor.json`` out (a pair that verify has never seen: ``tests
 float32), imports TREE's own ``dflash_generate`` / ``ddtree_generate`` and reports the mean acceptance on the
 held-out prompts of ``metadata.json``, checking that every output equals the target's greedy decoding.
 
-``--floor`` runs ddpatch's from-scratch reference decoders (``patcher/verify/judge/reference_decode.py``) on the
+``--floor`` runs ddpatch's from-scratch reference decoders (``patcher/verify/judge/acceptance/reference_decode.py``) on the
 held-out prompts and writes ``acceptance_floor.json`` beside the two folders: what ``ddpatch verify``'s
-``acceptance: METHOD`` checks compare a patched tree with (``patcher/verify/judge/acceptance.py``).
+``acceptance: METHOD`` checks compare a patched tree with (``patcher/verify/judge/acceptance/verdict.py``).
 """
 
 from __future__ import annotations
@@ -436,7 +436,7 @@ def write_floor(args) -> dict:
 
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(ROOT))
-    from patcher.verify.judge import acceptance
+    from patcher.verify.judge.acceptance import floor as acceptance
 
     out = Path(args.out)
     t0, c0 = time.time(), time.process_time()

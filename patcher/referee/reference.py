@@ -1,6 +1,6 @@
 """What a correct DFlash (and DDTree at each budget) reaches with the pair, on the prompts the engine decoded.
 
-ddpatch's from-scratch reference decoders (``patcher.verify.judge.pair_reference``): per prompt, the target's
+ddpatch's from-scratch reference decoders (``patcher.verify.judge.acceptance.pair_reference``): per prompt, the target's
 greedy continuation, then at every round start the acceptance of the from-scratch decoder and the set a drafter
 within epsilon of it could reach. An engine decodes in another library and precision than torch does, so its
 drafter may sit further from ours than the verifier's epsilon: the referee widens epsilon by ``ENGINE_EPSILON``.
@@ -128,9 +128,9 @@ def references(target, draft, prompts: list[list[int]], max_new_tokens: int, bud
     method's from-scratch acceptance and reachable set (``dflash``, ``ddtree_tbB``)."""
     import torch
 
-    from ..verify.judge.drafter_oracle import calibrate
-    from ..verify.judge.pair_reference import epsilon_of, methods_for, prompt_entry
-    from ..verify.judge.reference_decode import ScratchPair
+    from ..verify.judge.drafter.recorder import calibrate
+    from ..verify.judge.acceptance.pair_reference import epsilon_of, methods_for, prompt_entry
+    from ..verify.judge.acceptance.reference_decode import ScratchPair
     from ..verify.models.load import greedy
 
     block = int(getattr(draft, "block_size", None) or draft.config.block_size)

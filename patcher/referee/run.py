@@ -229,7 +229,7 @@ def referee(engine_url: str, target: str, draft: str, *, records=None, source=No
     dtype the engine computes in (``ties.ENGINE_DTYPES``); None: what the engine says of itself, if anything."""
     import torch  # noqa: F401  (the reference needs it: imported here, never when the CLI starts)
 
-    from ..verify.judge import acceptance
+    from ..verify.judge.acceptance import floor as acceptance
     from ..verify.models.folders import check_pair
     from ..verify.models.load import target_tokenizer, tokenized_prompts
     from .reference import load_pair, references

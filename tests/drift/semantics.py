@@ -113,7 +113,7 @@ def decode_unpatched(root: Path, base: str, seed: int = 0) -> dict[str, tuple[li
     """``{method: (expected, got)}`` for the unpatched tree at ``root`` on tiny-qwen3 with a scripted draft."""
     import torch
 
-    from patcher.verify.judge.oracle import ScriptedDraft
+    from patcher.verify.models.script import ScriptedDraft
     from patcher.verify.models.presets import MASK_TOKEN_ID, build_target, draft_config
 
     before = torch.get_num_threads()

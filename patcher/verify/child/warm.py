@@ -109,7 +109,7 @@ def preload() -> None:
             getattr(transformers, name)
         except (AttributeError, ImportError):
             pass
-    from ..judge import calibration, checks, neartie, oracle  # noqa: F401
+    from ..judge import calibration, logits, neartie, one_model  # noqa: F401
     from ..models import context, load, presets  # noqa: F401
     from ..plumbing import events  # noqa: F401
     from ..subjects import binding  # noqa: F401

@@ -11,7 +11,7 @@ It prints one JSON object per line (``events``): ``{"event": "progress", ...}`` 
 works and a final ``{"event": "result", ...}``. The work is in the floors below, imported relatively
 (inside functions: run by path, this file is re-entered as a module of the private package first, ``main``):
 ``models.load`` (loading, the greedy reference), ``subjects.methods`` (calling upstream's decoders),
-``judge.checks`` (the checks on one model) and its oracles.
+``judge.one_model`` (the checks on one model) and its oracles.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def child_package() -> str:
 
 
 def sibling(name: str):
-    """The verifier's module ``name`` (``judge.checks``, ``models.load``) in the package the child runs under: for a
+    """The verifier's module ``name`` (``judge.one_model``, ``models.load``) in the package the child runs under: for a
     caller outside the child (``benchmarks/bench_real_shapes.py --profile`` wraps the modules the child uses); the
     child's own code imports them relatively."""
     return importlib.import_module(f"{child_package()}.{name}")
@@ -107,7 +107,8 @@ def run(cfg: dict) -> dict:
     import torch
     import transformers
 
-    from ..judge import checks, coverage_runs
+    from ..judge import one_model
+    from ..judge.coverage import runs as coverage_runs
     from ..models import load as models
     from ..plumbing import events
     from ..subjects import decoders, methods
@@ -145,10 +146,10 @@ def run(cfg: dict) -> dict:
         prompts, floor, missing, made = stored_floor_prompts(cfg, prompts, made)
         run_cfg = {**cfg, "stop_token_ids": stops, "acceptance_floor": floor, "acceptance_floor_missing": missing, "prompts_made": made}
         events.emit("progress", done=0, total=1, label="loaded " + Path(cfg["target"]).name)
-        result["models"].append(checks.verify_model(cfg.get("label") or Path(cfg["target"]).name, run_cfg, loaded, target, drafts,
+        result["models"].append(one_model.verify_model(cfg.get("label") or Path(cfg["target"]).name, run_cfg, loaded, target, drafts,
                                                     mask, False, prompts, scripted=bool(cfg.get("scripted_draft")),
                                                     choose_mask=bool(cfg.get("scripted_draft")) and not cfg.get("draft"), notes=notes))
-        if not checks.sampling_of(run_cfg):  # the decoders' mode parameters on the user's own model (one short prompt each)
+        if not one_model.sampling_of(run_cfg):  # the decoders' mode parameters on the user's own model (one short prompt each)
             result["models"][-1]["checks"] += coverage_runs.mode_runs(
                 run_cfg, loaded, target, drafts, result["models"][-1].get("mask_token_id", mask), prompts[:1], result["models"][-1])
         result["loaded"] = models.loaded_with(target, cfg)
@@ -157,13 +158,13 @@ def run(cfg: dict) -> dict:
         for sampled in passes(cfg, loaded):
             pass_cfg = {**cfg, **sampled}
             target, drafts, mask, notes = models.load_preset(preset, cfg["seeds"][0], loaded.drafters, cfg["block_size"],
-                                                             bool(cfg.get("default_init")), sampling=checks.sampling_of(pass_cfg) is not None)
+                                                             bool(cfg.get("default_init")), sampling=one_model.sampling_of(pass_cfg) is not None)
             for draft in drafts.values():
                 models.check_fit(target, draft)
             prompts = models.random_prompts(pass_cfg["prompts"] * len(pass_cfg["seeds"]), cfg["prompt_len"], cfg["seeds"][0], mask)
             label = preset if not sampled.get("sampled_pass") else f"{preset} (sampled)"
-            result["models"].append(checks.verify_model(label, pass_cfg, loaded, target, drafts, mask, True, prompts, notes=notes))
-            if not sampled:  # coverage: the decoders' mode parameters get runs of their own (judge/coverage_runs.py)
+            result["models"].append(one_model.verify_model(label, pass_cfg, loaded, target, drafts, mask, True, prompts, notes=notes))
+            if not sampled:  # coverage: the decoders' mode parameters get runs of their own (judge/coverage/runs.py)
                 result["models"][-1]["checks"] += coverage_runs.mode_runs(pass_cfg, loaded, target, drafts, mask,
                                                                           prompts[:1], result["models"][-1])
     for pair in cfg.get("pairs") or ():
@@ -174,7 +175,7 @@ def run(cfg: dict) -> dict:
         prompts, floor, missing, made = stored_floor_prompts(pair_cfg, prompts, made)
         pair_cfg.update(stop_token_ids=stops, acceptance_floor=floor, acceptance_floor_missing=missing, prompts_made=made)
         events.emit("progress", done=0, total=1, label=f"loaded {pair['label']}")
-        result["models"].append(checks.verify_model(pair["label"], pair_cfg, loaded, target, drafts, mask, False, prompts, notes=notes))
+        result["models"].append(one_model.verify_model(pair["label"], pair_cfg, loaded, target, drafts, mask, False, prompts, notes=notes))
     return result
 
 
@@ -183,7 +184,7 @@ def stored_floor_prompts(cfg: dict, prompts: list, made: str):
     the user gave a prompts file: then the run's own reference judges it. Returns (prompts, floor, why none, made)."""
     import torch
 
-    from ..judge import acceptance
+    from ..judge.acceptance import floor as acceptance
     floor, missing = acceptance.find(cfg)
     if floor is None or cfg.get("prompt_records"):
         return prompts, floor, missing, made
@@ -216,7 +217,7 @@ def answer(cfg: dict, blocker: NoDdpatch) -> None:
     from ..plumbing import events
 
     try:
-        from ..judge import coverage_runs as coverage  # every decoder call runs under line coverage
+        from ..judge.coverage import runs as coverage  # every decoder call runs under line coverage
 
         coverage.start(cfg)
         result = run(cfg)

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import routers
+from ..check import Check
 
 #: Tolerance = MULTIPLE x floor (see the module docstring and docs/verify-precision.md).
 MULTIPLE = 4.0
@@ -102,12 +103,12 @@ def routed_two_ways(target, prompt, continuation: list[int], stepped_rows: list 
     logit|)`` (else None): the multi-token way follows the token-by-token way's experts where they part.
     ``stepped_rows``: the token-by-token way's rows as the greedy reference computed them (``models.greedy(rows=)``,
     the same cached forwards); used on a target without routers, whose multi-token way is then the from-scratch
-    forward the oracles share (``oracle.plain_forward``)."""
+    forward the oracles share (``logits.plain_forward``)."""
     import torch
     from transformers import DynamicCache
 
     from ..models.context import with_cache
-    from .oracle import plain_forward
+    from .logits import plain_forward
 
     n, p = len(continuation), prompt.shape[1]
     if stepped_rows is not None and len(stepped_rows) >= n:
@@ -183,3 +184,15 @@ def float32_command(cfg: dict) -> str:
     if cfg.get("device_map"):
         parts += ["--device-map", cfg["device_map"]]
     return " ".join(parts + ["--dtype", "float32"])
+
+
+def floor_row(cal: Calibration, cfg: dict) -> dict:
+    """The ``noise floor`` row: inconclusive where the tolerance is too wide against the logit spread for a lossy
+    commit to show, naming the float32 command that judges it."""
+    if cal.conclusive:
+        return Check.of("noise floor", passed=True, evidence=cal.describe(), calibration=cal.as_dict()).to_json()
+    command = float32_command(cfg)
+    return Check.of("noise floor", passed=False, evidence=(
+        f"inconclusive in {cal.dtype}: tolerance {cal.tolerance:.2e} exceeds {CONCLUSIVE_FRACTION:g} x the logit "
+        f"spread {cal.spread:.2e}, a lossy commit could hide under it; judge it in float32: {command}; {cal.describe()}"),
+        calibration=cal.as_dict(), inconclusive=True, float32_command=command).to_json()

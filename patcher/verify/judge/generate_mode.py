@@ -24,7 +24,10 @@ import contextlib
 import time
 from pathlib import Path
 
-from . import oracle
+from ..check import Check
+from .distribution import chi_square_test, second_token_distribution
+from .logits import LOGIT_TOLERANCE, LogitsRecorder, judge_logits, reference_logits
+from .tokens import Verdict, compare
 
 MODES = ("mtp", "assistant", "prompt-lookup", "dflash", "early-exit")
 #: probability that a scripted draft proposes the target's own next token
@@ -169,7 +172,7 @@ def _depth(model):
     return getattr(model.config.get_text_config(), "num_hidden_layers", None)
 
 
-class _TargetCalls(oracle.LogitsRecorder):
+class _TargetCalls(LogitsRecorder):
     """The logits recorder, blind to early-exit drafts (the same model, run with fewer layers)."""
 
     def __init__(self, target):
@@ -248,8 +251,8 @@ def run_mode(target, mode: str, ids, reference: list[int], max_new: int, kwargs:
     final = out[0].tolist()
     calls = _calls(recorder)
     dtype = str(target.dtype).replace("torch.", "")
-    tolerance = oracle.LOGIT_TOLERANCE.get(dtype, oracle.LOGIT_TOLERANCE["float32"])
-    verdict = oracle.judge_logits(calls, final, oracle.reference_logits(target, final), ids.shape[1], tolerance)
+    tolerance = LOGIT_TOLERANCE.get(dtype, LOGIT_TOLERANCE["float32"])
+    verdict = judge_logits(calls, final, reference_logits(target, final), ids.shape[1], tolerance)
     return final[ids.shape[1]:], acceptance_lengths(calls, ids.shape[1], len(final)), seconds, verdict, script
 
 
@@ -318,8 +321,8 @@ def native_check(mode: str, runs: list[dict], lossless_evidence: str, version: s
         evidence += f"fails on prompt {err['prompt']}: {err['error']}"
     else:
         evidence += f"{len(runs)}/{len(runs)} runs token-identical (exact here)"
-    return {"check": f"native generate() (control): {mode}", "passed": True, "control": True,
-            "evidence": f"{evidence}; lossless: {lossless_evidence}", "native": runs}
+    return Check.of(f"native generate() (control): {mode}", passed=True, control=True,
+                    evidence=f"{evidence}; lossless: {lossless_evidence}", native=runs).to_json()
 
 
 # ----------------------------------------------------------------------------- the verifier
@@ -377,7 +380,7 @@ def _unavailable(mode: str, target, assistant, mtp: bool) -> str | None:
 
 
 def verify_model(label, target, assistant, script_vocab, mtp, modes, prompts, max_new, sampling, sampling_runs) -> dict:
-    from .checks import MethodStats, second_token_distribution
+    from .decode_loop import MethodStats
 
     checks: list[dict] = []
     drafter = dflash_drafter(target) if "dflash" in modes else None
@@ -394,7 +397,7 @@ def verify_model(label, target, assistant, script_vocab, mtp, modes, prompts, ma
     for mode in modes:
         why = _unavailable(mode, target, assistant, mtp)
         if why:
-            checks.append({"check": f"mode: {mode}", "passed": True, "evidence": f"not run: {why}"})
+            checks.append(Check.of(f"mode: {mode}", passed=True, evidence=f"not run: {why}").to_json())
             continue
         st = stats[mode] = MethodStats(mode)
         kwargs = generate_kwargs(mode, target, assistant, drafter)
@@ -402,19 +405,19 @@ def verify_model(label, target, assistant, script_vocab, mtp, modes, prompts, ma
             try:
                 new, acc, secs, logits, script = run_mode(target, mode, ids, ref, max_new, kwargs, script_vocab, sampling, seed=p)
             except Exception as exc:  # a mode transformers cannot run here: a failed check, with its reason
-                st.runs.append({"prompt": p, "verdict": oracle.compare(ref, []).as_dict(), "error": f"{type(exc).__name__}: {exc}"})
+                st.runs.append({"prompt": p, "verdict": compare(ref, []).as_dict(), "error": f"{type(exc).__name__}: {exc}"})
                 continue
             st.tokens, st.seconds = st.tokens + len(new), st.seconds + secs
             st.acceptance += acc
             partial += sum(1 for a, n in (script.blocks if script else []) if 0 < a < n)
-            verdict = oracle.compare(ref, new) if not sampling else oracle.Verdict(True, got_len=len(new))
+            verdict = compare(ref, new) if not sampling else Verdict(True, got_len=len(new))
             st.runs.append({"prompt": p, "verdict": verdict.as_dict(), "description": verdict.describe(),
                             "logits": logits.as_dict(), "logits_description": logits.describe(), "sampled": bool(sampling)})
         bad = [r for r in st.runs if not r["verdict"]["identical"] or "error" in r]
         if not sampling:
             evidence = (f"{len(bad)}/{len(st.runs)} runs differ; prompt {bad[0]['prompt']}: {bad[0].get('error') or bad[0]['description']}"
                         if bad else f"{len(st.runs)}/{len(st.runs)} runs token-identical to plain generate()")
-            checks.append({"check": f"lossless: {mode}", "passed": not bad, "evidence": evidence})
+            checks.append(Check.of(f"lossless: {mode}", passed=not bad, evidence=evidence).to_json())
             # the control runs after the mode's lossless runs: an assistant's draft-length schedule carries over calls
             native = [{"prompt": p, **run_native(target, mode, ids, ref, max_new, kwargs, script_vocab, seed=p)}
                       for p, (ids, ref) in enumerate(zip(prompts, references))]
@@ -422,9 +425,9 @@ def verify_model(label, target, assistant, script_vocab, mtp, modes, prompts, ma
         judged = [r for r in st.runs if "logits" in r]
         over = [r for r in judged if not r["logits"]["passed"]]
         worst = max(judged, key=lambda r: r["logits"]["max_abs"], default=None)
-        checks.append({"check": f"logits == from-scratch: {mode}", "passed": bool(judged) and not over and len(judged) == len(st.runs),
-                       "evidence": (over[0]["logits_description"] if over else worst["logits_description"] if worst
-                                    else (bad[0].get("error") if bad else "no run"))})
+        checks.append(Check.of(f"logits == from-scratch: {mode}", passed=bool(judged) and not over and len(judged) == len(st.runs),
+                               evidence=(over[0]["logits_description"] if over else worst["logits_description"] if worst
+                                         else (bad[0].get("error") if bad else "no run"))).to_json())
         if sampling and sampling_runs and mode in ("assistant", "prompt-lookup"):
             ids = prompts[0]
             expected = second_token_distribution(target, ids, {k: v for k, v in sampling.items() if v is not None})
@@ -432,9 +435,9 @@ def verify_model(label, target, assistant, script_vocab, mtp, modes, prompts, ma
             for i in range(sampling_runs):
                 new, *_ = run_mode(target, mode, ids, references[0], 2, kwargs, None, sampling, seed=50_000 + i)
                 counts[new[1]] = counts.get(new[1], 0) + 1
-            test = oracle.chi_square_test(counts, expected)
-            checks.append({"check": f"sampling distribution: {mode}", "passed": test.passed,
-                           "evidence": "2nd new token vs the target's exact distribution: " + test.describe()})
+            test = chi_square_test(counts, expected)
+            checks.append(Check.of(f"sampling distribution: {mode}", passed=test.passed,
+                                   evidence="2nd new token vs the target's exact distribution: " + test.describe()).to_json())
     methods = []
     for st in stats.values():
         row = st.as_dict(baseline)
@@ -444,9 +447,9 @@ def verify_model(label, target, assistant, script_vocab, mtp, modes, prompts, ma
             row["max_dlogit"], row["max_dlogit_at"] = worst["max_abs"], worst["at"]
         methods.append(row)
     if script_vocab is not None and "assistant" in stats:  # scripted drafts: the rollback must have been exercised
-        checks.append({"check": "partial acceptances (scripted assistant)", "passed": partial > 0,
-                       "evidence": f"{partial} blocks accepted in part: rollbacks were exercised" if partial else
-                       "no block was accepted in part: the rollback was never exercised"})
+        checks.append(Check.of("partial acceptances (scripted assistant)", passed=partial > 0,
+                               evidence=f"{partial} blocks accepted in part: rollbacks were exercised" if partial else
+                               "no block was accepted in part: the rollback was never exercised").to_json())
     return {"model": label, "checks": checks, "baseline": baseline.as_dict(None), "methods": methods,
             "partial_acceptances": partial, "plumbing_figures": script_vocab is not None or sampling is not None,
             "sampling": sampling}
@@ -473,7 +476,7 @@ def run_generate(presets=None, target=None, assistant=None, modes=None, seeds=No
             label, model, helper, vocab, mtp = _models(preset, target, assistant, dtype, Path(tmp), bool(sampling))
             reason = refusal(model)
             if reason is not None:
-                result["models"].append({"model": label, "checks": [{"check": "supported", "passed": False, "evidence": reason}]})
+                result["models"].append({"model": label, "checks": [Check.of("supported", passed=False, evidence=reason).to_json()]})
                 continue
             vocab_hi = min(model.config.get_text_config().vocab_size - 1, 1000)
             ps = [p for s in (seeds or [0]) for p in _prompts(prompts or 1, s, vocab_hi)]

@@ -285,7 +285,7 @@ def reference(model, sequence, decoded: dict, tolerance: float):
 
 
 def remember(model, calls: list[dict]) -> None:
-    """The calls (with their ``routes``) of the decode just recorded on ``model`` (``oracle.LogitsRecorder``)."""
+    """The calls (with their ``routes``) of the decode just recorded on ``model`` (``logits.LogitsRecorder``)."""
     try:
         _DECODES[model] = calls
     except TypeError:

@@ -28,7 +28,8 @@ from ...errors import VerifierCrash, VerifyError
 from ...results import Outcome
 from ..subjects import decoders
 from . import exitstatus
-from ..judge import coverage_rows, rows
+from ..judge import rollback
+from ..judge.coverage import rows as coverage_rows
 from ..models.folders import FolderError, check_pair
 from ..models.trained import FOLDER_PRESETS, folder_preset_options, pair_options
 from ..child.warm import PARENT_ENV
@@ -119,7 +120,7 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
         finally:
             for child in children:
                 child.kill()
-    result = coverage_rows.settle(rows.settle_rollback(merged(results)), results, cfg)  # one coverage row per decoder
+    result = coverage_rows.settle(rollback.settle_rollback(merged(results)), results, cfg)  # one coverage row per decoder
     seconds = time.perf_counter() - start
     if result is None:
         if death is None:

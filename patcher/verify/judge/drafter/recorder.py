@@ -26,8 +26,8 @@ import inspect
 import weakref
 from dataclasses import dataclass, field
 
-from .calibration import MULTIPLE, ulp_of
-from .oracle import BackboneCalls, cache_given
+from ..calibration import MULTIPLE, ulp_of
+from ..logits import BackboneCalls, cache_given
 
 #: the drafter's parameters, by role: the spellings forks use (first found wins)
 ROLES = {
@@ -268,7 +268,7 @@ class Reference:
         self.device = self.embed.weight.device
         self.sequence = list(sequence)
         if hidden_states is None:
-            from .oracle import plain_forward
+            from ..logits import plain_forward
 
             shared = plain_forward(target, self.sequence, hidden_states=True)  # the logits oracle's forward, shared
             if shared is not None:
@@ -333,7 +333,7 @@ def calibrate(target, draft, prompt, continuation, mask_id: int, block_size: int
     import torch
     from transformers import DynamicCache
 
-    from ..models.context import with_cache
+    from ...models.context import with_cache
 
     roles = roles_of(draft)
     seq = prompt[0].tolist() + list(continuation)

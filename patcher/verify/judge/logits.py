@@ -1,10 +1,9 @@
-"""The verifier's oracles.
+"""The logits oracle: the logits a decoder used at every committed position against one from-scratch forward.
 
-``compare`` is the lossless check: speculative greedy output must be token-identical to
-the target's own greedy decoding; when it is not, it names the first divergence.
-``LogitsRecorder`` / ``judge_logits`` compare the logits the decoder used at every committed
-position with one from-scratch forward; ``chi_square_test`` judges sampled decoding.
-``ScriptedDraft`` (``script.py``, re-exported here) makes rollback happen.
+``LogitsRecorder`` watches the target's forwards during a decode (its recorder), ``reference_logits`` is the
+teacher-forced forward over the emitted tokens (its reference, shared with the other oracles through
+``plain_forward``), ``judge_logits`` the verdict, and ``method_rows`` the ``logits == from-scratch: METHOD`` row.
+``observed_acceptance`` reads a run's acceptance lengths off its forwards when the decoder keeps none.
 """
 
 from __future__ import annotations
@@ -14,37 +13,7 @@ from types import SimpleNamespace
 from typing import Sequence
 
 from . import routers
-from ..models.script import RANK_PROBS, SAMPLING_SHARPEN, ScriptedDraft  # noqa: F401 (the scripted draft lives in script.py)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    identical: bool
-    first_divergence: int | None = None  # index into the new tokens
-    expected: int | None = None  # target greedy token there (None: speculative output is longer)
-    got: int | None = None  # speculative token there (None: speculative output is shorter)
-    expected_len: int = 0
-    got_len: int = 0
-
-    def describe(self) -> str:
-        if self.identical:
-            return f"token-identical ({self.got_len} tokens)"
-        i = self.first_divergence
-        if self.expected is None:
-            return f"longer than target greedy: {self.got_len} vs {self.expected_len} tokens (extra token {self.got} at {i})"
-        if self.got is None:
-            return f"shorter than target greedy: {self.got_len} vs {self.expected_len} tokens (missing {self.expected} at {i})"
-        return f"diverges at new token {i}: target greedy {self.expected}, speculative {self.got}"
-
-    def as_dict(self) -> dict:
-        return {
-            "identical": self.identical,
-            "first_divergence": self.first_divergence,
-            "expected": self.expected,
-            "got": self.got,
-            "expected_len": self.expected_len,
-            "got_len": self.got_len,
-        }
+from ..check import Check
 
 
 def cache_given(kwargs: dict):
@@ -53,25 +22,6 @@ def cache_given(kwargs: dict):
     from transformers.cache_utils import Cache
 
     return next((v for v in kwargs.values() if isinstance(v, Cache)), None)
-
-
-def compare(expected: Sequence[int], got: Sequence[int]) -> Verdict:
-    """Token-identity of two greedy continuations; the first divergence if they differ."""
-    expected, got = list(expected), list(got)
-    for i, (a, b) in enumerate(zip(expected, got)):
-        if a != b:
-            return Verdict(False, i, a, b, len(expected), len(got))
-    if len(expected) == len(got):
-        return Verdict(True, None, None, None, len(expected), len(got))
-    i = min(len(expected), len(got))
-    return Verdict(
-        False,
-        i,
-        expected[i] if i < len(expected) else None,
-        got[i] if i < len(got) else None,
-        len(expected),
-        len(got),
-    )
 
 
 # ----------------------------------------------------------------------------- the logits oracle
@@ -378,79 +328,20 @@ def judge_logits(calls: list[dict], final: Sequence[int], reference, prompt_len:
                          flips.as_dict() if routed else None, flips.describe(prompt_len) if routed else "")
 
 
-# ----------------------------------------------------------------------------- the distributional check
-def chi_square_sf(statistic: float, dof: int) -> float:
-    """P(X >= statistic) for X ~ chi-square(dof), via the regularised upper incomplete gamma."""
-    import torch
-
-    if dof <= 0:
-        return 1.0
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(statistic / 2.0, dtype=torch.float64)))
-
-
-@dataclass(frozen=True)
-class DistributionVerdict:
-    statistic: float
-    dof: int
-    p_value: float
-    samples: int
-    alpha: float
-
-    @property
-    def passed(self) -> bool:
-        return self.p_value >= self.alpha
-
-    def describe(self) -> str:
-        return f"chi-square {self.statistic:.1f} on {self.dof} dof over {self.samples} runs, p = {self.p_value:.3g} (fail below {self.alpha:g})"
-
-    def as_dict(self) -> dict:
-        return {"statistic": self.statistic, "dof": self.dof, "p_value": self.p_value, "samples": self.samples,
-                "alpha": self.alpha, "passed": self.passed}
-
-
-def chi_square_test(observed: dict, expected_probs: dict, alpha: float = 1e-3, min_expected: float = 5.0) -> DistributionVerdict:
-    """Goodness of fit of observed counts to exact probabilities.
-
-    Tokens are binned, least likely first, until each bin expects at least ``min_expected``
-    counts (so the chi-square approximation holds and rare tokens still count); a token
-    outside ``expected_probs`` joins the least likely bin.
-    """
-    n = sum(observed.values())
-    bins: list[list] = []  # [observed, expected]
-    current = [0.0, 0.0]
-    for token, p in sorted(expected_probs.items(), key=lambda kv: kv[1]):
-        current[0] += observed.get(token, 0)
-        current[1] += p * n
-        if current[1] >= min_expected:
-            bins.append(current)
-            current = [0.0, 0.0]
-    if bins:
-        bins[-1][0] += current[0]
-        bins[-1][1] += current[1]
+def method_rows(loop, method, earlier: list) -> list[dict]:
+    """``logits == from-scratch: METHOD`` over the method's runs: every judged run within the calibrated tolerance."""
+    runs = loop.stats[method.name].runs
+    failed_runs = [r for r in runs if "error" in r]
+    judged = [r for r in runs if "logits" in r]
+    over = [r for r in judged if not r["logits"]["passed"]]
+    worst = max(judged, key=lambda r: r["logits"]["max_abs"], default=None)
+    if failed_runs and not judged:
+        evidence = failed_runs[0].get("error", "failed")
+    elif over:
+        evidence = f"{len(over)}/{len(judged)} runs over tolerance; prompt {over[0]['prompt']}: {over[0]['logits_description']}"
+    elif worst is not None:
+        evidence = f"{len(judged)}/{len(judged)} runs within tolerance; worst: {worst['logits_description']}"
     else:
-        bins.append(current)
-    bins[0][0] += sum(c for t, c in observed.items() if t not in expected_probs)
-    cells = [(o, e) for o, e in bins if e > 0]
-    statistic = sum((o - e) ** 2 / e for o, e in cells)
-    dof = len(cells) - 1
-    return DistributionVerdict(statistic, dof, chi_square_sf(statistic, dof), n, alpha)
-
-
-def sampling_distribution(logits, temperature: float, top_p: float | None = None, top_k: int | None = None):
-    """The distribution a sampler draws from: temperature, then the ``top_k`` best tokens, then the
-    smallest set of best tokens holding ``top_p`` of the mass. Used for the exact expectations of
-    the distributional check; a decoder that defines top-p differently will fail it, rightly so
-    if it claims to sample the target."""
-    import torch
-
-    scores = logits.float() / temperature
-    if top_k and 0 < top_k < scores.shape[-1]:
-        kth = scores.topk(top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if top_p is not None and top_p < 1.0:
-        ranked, order = probs.sort(dim=-1, descending=True)
-        ranked = ranked.masked_fill(ranked.cumsum(dim=-1) - ranked >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, ranked)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+        evidence = "no run"
+    row = Check.of(f"logits == from-scratch: {method.name}", passed=bool(judged) and not over and not failed_runs, evidence=evidence)
+    return [routers.inconclusive(row.to_json(), runs, loop.dtype, loop.f32)]

@@ -21,7 +21,8 @@ rounds that start within the last block are not judged (trees shorten their last
 
 from __future__ import annotations
 
-from .acceptance import horizon_of, judged_rounds, not_applicable
+from ...check import Check
+from .floor import horizon_of, judged_rounds, not_applicable
 from .reference_decode import floor, walk
 
 #: a run whose correct rounds leave no room for a loss (every reachable set is {1}) cannot judge acceptance
@@ -66,7 +67,7 @@ def method_check(name: str, runs: list[dict], floor_data: dict | None, why_none:
     """The ``acceptance: METHOD`` row: every round judged against what a correct decoder reaches from its start, or
     reported (``info``) where nothing can judge it. Any chain decoder is judged against the chain reference
     (``dflash``), any tree decoder at budget B against the tree's (``ddtree_tbB``)."""
-    check = {"check": f"acceptance: {name}"}
+    check: dict = {}  # the row's figures, in its order
     if kind is None:  # named the reference decoders' way: dflash, ddtree_tbB
         kind, budget = ("tree", int(name.rsplit("tb", 1)[1])) if name.startswith("ddtree_tb") else ("chain", None)
     done = [r for r in runs if r.get("acceptance")]
@@ -78,15 +79,15 @@ def method_check(name: str, runs: list[dict], floor_data: dict | None, why_none:
     reason = why_none if floor_data is None else not_applicable(floor_data, cfg, dtype, budget if kind == "tree" else None)
     if not reason and stored not in floor_data["prompts"][0]["methods"]:
         reason = f"no reference for {stored}"
-    info = {**check, "passed": True, "info": True, "acceptance_mean": round(mean, 3)}
+    info = {"passed": True, "info": True, "acceptance_mean": round(mean, 3)}
     if reason or not done:
         figures = f"mean {mean:.2f} over {len(lengths)} rounds" if done else "no run"
-        return {**info, "evidence": f"{figures} ({reason or 'nothing to judge'}: reported, not judged); {oracle}"}
+        return _row(name, info, evidence=f"{figures} ({reason or 'nothing to judge'}: reported, not judged); {oracle}")
     n = cfg["max_new_tokens"]
     h = horizon_of(n, cfg["block_size"])
     if h <= 0:
-        return {**info, "evidence": f"mean {mean:.2f}: {n} new tokens leave no round a whole block before the end (block size "
-                                    f"{cfg['block_size']}): reported, not judged; {oracle}"}
+        return _row(name, info, evidence=f"mean {mean:.2f}: {n} new tokens leave no round a whole block before the end (block size "
+                                    f"{cfg['block_size']}): reported, not judged; {oracle}")
     rows, left_out = [], []
     for r in done:
         p = r["prompt"]
@@ -100,7 +101,7 @@ def method_check(name: str, runs: list[dict], floor_data: dict | None, why_none:
     note = (f"; prompt(s) {', '.join(map(str, left_out))} left out (greedy continuation differs from the reference's)" if left_out else "")
     note += (f"; {tails} last round(s) left out (trees shorten their last block)" if tails else "")
     if not rows:
-        return {**info, "evidence": f"mean {mean:.2f}: no prompt comparable with {source}{note}; {oracle}"}
+        return _row(name, info, evidence=f"mean {mean:.2f}: no prompt comparable with {source}{note}; {oracle}")
     ref_mean = sum(row.pop("reference_total") for row in rows) / sum(row["reference_rounds"] for row in rows)  # over rounds
     judged = sum(row["rounds"] for row in rows)
     room = sum(row["room"] for row in rows)
@@ -125,13 +126,13 @@ def method_check(name: str, runs: list[dict], floor_data: dict | None, why_none:
             verdict = (f"the integration loses acceptance: mean {b['mean']:.2f} < floor {b['floor']:.2f} on prompt {b['prompt']}" if below
                        else f"the integration loses acceptance: mean {row['mean']:.2f} (floor {row['floor']:.2f})")
             verdict += f"; first round that differs: {where}" if where else ""
-        return {**check, "passed": False, "verdict": verdict, "evidence": (
-            f"{verdict} ({len(off)} of {judged} rounds outside what {correct} reaches from their start; {source}){note}; {oracle}")}
+        return _row(name, check, passed=False, verdict=verdict, evidence=(
+            f"{verdict} ({len(off)} of {judged} rounds outside what {correct} reaches from their start; {source}){note}; {oracle}"))
     if room == 0:
-        return {**check, "passed": False, "inconclusive": True, "verdict": "inconclusive", "evidence": (
+        return _row(name, check, passed=False, inconclusive=True, verdict="inconclusive", evidence=(
             f"inconclusive: {correct} with this drafter accepts {NOTHING_TO_LOSE} token in every one of the {judged} rounds judged "
             f"(the drafter predicts nothing here), so no loss could show; judge a trained drafter, or rerun with --scripted-draft "
-            f"in place of --draft for the rollback{note}; {oracle}")}
+            f"in place of --draft for the rollback{note}; {oracle}"))
     verdict = "the integration is exact: the drafter is the limit"
     low = min(rows, key=lambda row: row["mean"] - row["floor"])
     sharpest = min(rows, key=lambda row: row["reference"] - row["floor"])
@@ -139,8 +140,42 @@ def method_check(name: str, runs: list[dict], floor_data: dict | None, why_none:
     check["smallest_visible_loss"] = round(power, 3)
     weak = (f"; near-ties in {dtype} let a mean fall {power:.2f} below the reference unseen: judge in float32 for a sharper "
             f"verdict" if dtype != "float32" and power > 0.25 else "")
-    return {**check, "passed": True, "verdict": verdict, "evidence": (
+    return _row(name, check, passed=True, verdict=verdict, evidence=(
         f"{verdict}: every one of {judged} rounds accepts what {correct} could from its start (mean {mean_judged:.2f}, reference "
         f"{ref_mean:.2f}; closest to its floor: prompt {low['prompt']}, {low['mean']:.2f} against {low['floor']:.2f}; {source}); "
         f"a one-token loss fails in any of the {sharp} rounds without a near-tie, and a mean loss of more than {power:.2f} "
-        f"tokens a round anywhere (prompt {sharpest['prompt']}){weak}{note}; {oracle}")}
+        f"tokens a round anywhere (prompt {sharpest['prompt']}){weak}{note}; {oracle}"))
+
+
+def _row(name: str, figures: dict, **fields) -> dict:
+    """The ``acceptance: METHOD`` row: its figures, then ``fields``, in that order."""
+    return Check.of(f"acceptance: {name}", **figures, **fields).to_json()
+
+
+def floors(loop) -> dict:
+    """Per (drafter class, block size) of a real drafter's greedy run: (what a correct decoder reaches with it on these
+    prompts, or None, why not): the stored floor where the pair has one, else this run's (``pair_reference``)."""
+    from .pair_reference import floor_for
+
+    found: dict = {}
+    if not loop.real or loop.sampling:
+        return found
+    cfg, methods = loop.cfg, loop.methods
+    budgets_run = sorted({m.budget for m in methods if m.kind == "tree"})
+    for key in dict.fromkeys((m.drafter, loop.block_of(m)) for m in methods if m.kind != "target"):
+        found[key] = floor_for(
+            cfg.get("acceptance_floor"), cfg.get("acceptance_floor_missing") or "no stored floor for this drafter",
+            {**cfg, "block_size": key[1]}, loop.dtype, loop.target, loop.drafts[key[0]], loop.dcals[key[0]][0], loop.prompts,
+            loop.references, budgets_run, progress=loop.progress)
+    return found
+
+
+def method_rows(loop, method, earlier: list) -> list[dict]:
+    """``acceptance: METHOD`` for a real drafter's greedy run: every round against what a correct decoder reaches from
+    its start (``earlier[-1]`` is the method's drafter row, whose verdict the row names)."""
+    if method.kind == "target" or not loop.real or loop.sampling:
+        return []
+    block = loop.block_of(method)
+    floor_data, why_none = loop.floors[(method.drafter, block)]
+    return [method_check(method.name, loop.stats[method.name].runs, floor_data, why_none, {**loop.cfg, "block_size": block},
+                         loop.dtype, loop.references, earlier[-1], method.kind, method.budget)]

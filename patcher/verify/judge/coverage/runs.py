@@ -1,11 +1,11 @@
 """The child's side of coverage: every decoder call runs under line coverage (coverage.py, restricted to the tree's
 files), each decoder in its own context, and the decoder's mode parameters get runs of their own.
 
-``start`` makes the collector (once per child); ``measuring(method)`` wraps one decoder call (``checks.verify_model``
+``start`` makes the collector (once per child); ``measuring(method)`` wraps one decoder call (``decode_loop.DecodeLoop.decode``
 calls it around ``call_generate``: only the decoder's own calls are measured, not the oracles' forwards, so the lines
 are the decoder's); ``mode_runs`` runs, on the first greedy random preset, each mode value that reaches a branch the
 default runs left unrun and that can change tokens or caches, judged for token identity and logits like a default
-run (one prompt); ``collected`` is what the child sends the parent (``coverage_rows.settle`` makes the rows).
+run (one prompt); ``collected`` is what the child sends the parent (``rows.settle`` makes the rows).
 
 A mode value is run when it guards such a branch; values behind which only prints, logging or raising sit are not
 (named, with that reason). At most ``cfg["mode_runs"]`` runs per decoder (``MODE_RUNS``) and ``MODE_SECONDS`` in all;
@@ -19,14 +19,17 @@ import json
 import time
 from pathlib import Path
 
-from . import neartie, oracle
-from .coverage_rows import classify, findings
-from ..models.load import greedy
-from ..plumbing.events import emit, error_summary
-from ..subjects.binding import BindError, bind_roles, call_generate
-from ..subjects.coverage import MODE_ROLES
-from ..subjects.decoder_code import decoder_code
-from ..subjects.reach import Tree
+from .. import logits, neartie
+from ..tokens import compare
+from ...check import Check
+from ...models.script import ScriptedDraft
+from .rows import classify, findings
+from ...models.load import greedy
+from ...plumbing.events import emit, error_summary
+from ...subjects.binding import BindError, bind_roles, call_generate
+from ...subjects.coverage import MODE_ROLES
+from ...subjects.decoder_code import decoder_code
+from ...subjects.reach import Tree
 
 #: mode runs per decoder (``verify --mode-runs N``) and seconds for all of them in one child
 MODE_RUNS = 4
@@ -229,8 +232,8 @@ def _run(method, values, roles, cfg, target, draft, mask_token_id, prompt, refer
                "drafter": method.drafter, "mode": values}
     hook = None
     if draft is not None:
-        hook = oracle.ScriptedDraft(target, prompt[0].tolist() + reference, seed=0, forbidden=[mask_token_id]).attach(draft)
-    recorder = oracle.LogitsRecorder(target)
+        hook = ScriptedDraft(target, prompt[0].tolist() + reference, seed=0, forbidden=[mask_token_id]).attach(draft)
+    recorder = logits.LogitsRecorder(target)
     try:
         with recorder, measuring(method, values):
             new, _, _ = call_generate(method.callable_for(draft), model=draft, target=target, input_ids=prompt,
@@ -239,21 +242,21 @@ def _run(method, values, roles, cfg, target, draft, mask_token_id, prompt, refer
                                       required=method.required(), extra=extra)
     except Exception as exc:
         err = error_summary(exc)
-        row = {"check": f"lossless: {name}", "passed": False, **err, "decoder": decoder,
-               "evidence": f"{method.where} with {_text(values)} (a mode run): {err['error']}"}
+        row = Check.of(f"lossless: {name}", passed=False, **err, decoder=decoder,
+                       evidence=f"{method.where} with {_text(values)} (a mode run): {err['error']}").to_json()
         return {"values": values, "method": method.name, "passed": False, "error": err["error"]}, [row]
     finally:
         if hook is not None:
             hook.remove()
     final = prompt[0].tolist() + new
-    forced = oracle.reference_logits(target, final)
-    verdict = oracle.compare(reference, new)
+    forced = logits.reference_logits(target, final)
+    verdict = compare(reference, new)
     prompt_len = prompt.shape[1]
     ties = neartie.judge_ties(reference, new, forced, prompt_len, (model.get("calibration") or {}).get("epsilon", 0.0),
                               mask_token_id, cfg.get("stop_token_ids") or (), cfg["max_new_tokens"])
-    logits = oracle.judge_logits(recorder.calls, final, forced, prompt_len, model["logit_tolerance"])
-    rows = [{"check": f"lossless: {name}", "passed": ties.ok, "decoder": decoder,
-             "evidence": f"a mode run, one prompt: {verdict.describe()}" + ("" if verdict.identical else f"; {ties.describe()}")},
-            {"check": f"logits == from-scratch: {name}", "passed": logits.passed, "decoder": decoder,
-             "evidence": f"a mode run, one prompt: {logits.describe()}"}]
-    return {"values": values, "method": method.name, "passed": ties.ok and logits.passed}, rows
+    judged = logits.judge_logits(recorder.calls, final, forced, prompt_len, model["logit_tolerance"])
+    rows = [Check.of(f"lossless: {name}", passed=ties.ok, decoder=decoder,
+                     evidence=f"a mode run, one prompt: {verdict.describe()}" + ("" if verdict.identical else f"; {ties.describe()}")),
+            Check.of(f"logits == from-scratch: {name}", passed=judged.passed, decoder=decoder,
+                     evidence=f"a mode run, one prompt: {judged.describe()}")]
+    return {"values": values, "method": method.name, "passed": ties.ok and judged.passed}, [r.to_json() for r in rows]

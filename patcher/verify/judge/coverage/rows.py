@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..subjects import binding
-from ..subjects.decoder_code import DecoderCode, decoder_code
-from ..subjects.reach import Tree
+from ...subjects import binding
+from ...subjects.decoder_code import DecoderCode, decoder_code
+from ...subjects.reach import Tree
 
 #: findings a row's text names (the JSON holds them all)
 SHOWN = 6

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from .reference_decode import ScratchPair, budget_of, chain_at, max_row_l1, tree_at
 
-MADE_IN_RUN = "this run: ddpatch's from-scratch reference decoders (patcher/verify/judge/reference_decode.py) on the run's prompts"
+MADE_IN_RUN = "this run: ddpatch's from-scratch reference decoders (patcher/verify/judge/acceptance/reference_decode.py) on the run's prompts"
 
 
 def epsilon_of(target, output_tolerance: float, logits_tolerance: float | None = None) -> dict:
@@ -54,7 +54,7 @@ def draft_logits_at(pair: ScratchPair, features, seq: list[int], s: int):
     """``ScratchPair.draft_logits`` for the round that starts at ``seq[s]``, from precomputed context features."""
     import torch
 
-    from .drafter_oracle import embedding_scale, reference_output
+    from ..drafter.recorder import embedding_scale, reference_output
 
     with torch.inference_mode():
         noise = (pair.embed(pair._ids([seq[s]] + [pair.mask_id] * (pair.block_size - 1))) * embedding_scale(pair.draft)).to(pair.dtype)
@@ -98,7 +98,7 @@ def in_run_floor(target, draft, prompts: list[list[int]], references: list[list[
                  logits_tolerance: float | None = None) -> dict:
     """The floor data of this run (the stored floor's shape): per prompt its greedy continuation and, per method
     (``dflash``, ``ddtree_tbB``), at every start judged the reference's acceptance and the reachable set."""
-    from .acceptance import horizon_of
+    from .floor import horizon_of
 
     pair = ScratchPair(target, draft, draft.mask_token_id, block_size)
     methods = methods_for(budgets)
@@ -119,7 +119,7 @@ def floor_for(stored: dict | None, why_missing: str, cfg: dict, dtype: str, targ
     """(the floor this run is judged against, '') or (None, why none): the stored one where it covers the run (the
     fast path), else this run's own from the reference decoders; none only where the drafter oracle cannot drive the
     drafter (its from-scratch forward is the reference's)."""
-    from .acceptance import not_applicable
+    from .floor import not_applicable
 
     if stored is not None:
         why = not_applicable(stored, cfg, dtype, None) or next(

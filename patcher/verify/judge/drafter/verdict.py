@@ -1,13 +1,21 @@
-"""The drafter oracle's verdict: every recorded drafter call (``drafter_oracle.DrafterRecorder``) against its
+"""The drafter oracle's verdict: every recorded drafter call (``recorder.DrafterRecorder``) against its
 from-scratch reference on the final committed sequence, field by field (``FIELDS``), with the exact difference and
 what to look at (``HINTS``). A field the user reviewed as a deliberate difference of the tree (``--reviewed``) is
-reported, and the reference takes the tree's own value for it."""
+reported, and the reference takes the tree's own value for it.
+
+``calibrated`` measures the oracle's tolerances on the run's target (or says why it cannot judge this drafter),
+``judge_or_skip`` is the verdict on one decode, ``method_check`` the ``drafter: METHOD`` row over a method's runs, and
+``class_row`` the ``drafter class NAME`` row of a drafter class the verifier could not build."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .drafter_oracle import DrafterCalibration, DrafterRecorder, Reference, embedding_scale, reference_output
+from . import recorder as oracle
+from .. import routers
+from ...check import Check
+from ...plumbing.events import error_summary
+from .recorder import DrafterCalibration, DrafterRecorder, Reference, embedding_scale, reference_output
 
 #: what to look at when a field differs (the recipe step, or the upstream line)
 HINTS = {
@@ -261,3 +269,79 @@ def judge(recorder: DrafterRecorder, target, draft, final, mask_id: int, cal: Dr
                 (verdict.reviewed if name in reviewed else verdict.failures).append((r, name, found[name]))
         prev_start = s
     return verdict
+
+
+# ----------------------------------------------------------------------------- the rows
+def calibrated(target, draft, prompt, reference, mask_token_id, block_size, stepped_hidden=None):
+    """(the drafter oracle's tolerances, None) or (None, why it cannot judge this drafter)."""
+    try:
+        return oracle.calibrate(target, draft, prompt, reference, mask_token_id, block_size, stepped_hidden), None
+    except oracle.Unbindable as exc:
+        return None, str(exc)
+    except Exception as exc:  # a drafter the reference forward cannot drive
+        return None, f"its from-scratch forward failed: {error_summary(exc)['error']}"
+
+
+def judge_or_skip(drafted, target, draft, final, mask_token_id, dcal, reviewed=()):
+    """The drafter oracle's verdict on one decode; a reference it cannot compute is a skip, not a pass."""
+    try:
+        return judge(drafted, target, draft, final, mask_token_id, dcal, tuple(reviewed or ()))
+    except Exception as exc:
+        return DrafterVerdict(skipped=f"its from-scratch reference failed: {error_summary(exc)['error']}")
+
+
+def method_check(name: str, runs: list[dict], skipped: str | None = None) -> dict:
+    """The ``drafter: METHOD`` check over a method's runs (each may hold a ``drafter`` verdict): a drafter the oracle
+    cannot bind, or a reference it cannot compute, is a visible ``skip``, never a pass."""
+    judged = [r for r in runs if "drafter" in r]
+    skips = [r["drafter_description"] for r in judged if r["drafter"].get("skipped")]
+    if skipped or (judged and len(skips) == len(judged)):
+        return Check.of(f"drafter: {name}", passed=True, skipped=True,
+                        evidence=f"drafter oracle: skipped ({skipped})" if skipped else skips[0]).to_json()
+    errors = [r for r in runs if "error" in r]
+    over = [r for r in judged if not r["drafter"]["passed"]]
+    failures = {}
+    if errors and not judged:
+        evidence = errors[0].get("error", "failed")
+    elif over:
+        evidence = f"{len(over)}/{len(judged)} runs differ; prompt {over[0]['prompt']}: {over[0]['drafter_description']}"
+        failures = {"failures": over[0]["drafter"]["failures"][:8]}
+    elif judged:
+        worst = {k: max(r["drafter"]["worst"].get(k, 0.0) for r in judged) for k in judged[0]["drafter"]["worst"]}
+        top = [sum(r["drafter"]["top1"][i] for r in judged) for i in (0, 1)]
+        evidence = (f"{len(judged)}/{len(judged)} runs, {sum(r['drafter']['rounds'] for r in judged)} drafter calls equal a "
+                    "from-scratch drafter forward; max |Δ| " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
+                    + f"; proposals {top[0]}/{top[1]}")
+        reviewed = [e for r in judged for e in r["drafter"].get("reviewed") or ()]
+        if reviewed:
+            fields = ", ".join(sorted({e["field"] for e in reviewed}))
+            evidence += (f"; reviewed deliberate difference ({fields}) in {len(reviewed)} rounds, e.g. round {reviewed[0]['round']}: "
+                         f"{reviewed[0]['detail']}")
+    else:
+        evidence = "no run"
+    return Check.of(f"drafter: {name}", **failures, passed=bool(judged) and not over and not errors, evidence=evidence).to_json()
+
+
+def method_rows(loop, method, earlier: list) -> list[dict]:
+    """``drafter: METHOD`` for a method with a drafter."""
+    if method.kind == "target":
+        return []
+    runs = loop.stats[method.name].runs
+    _, draft_skip = loop.dcals.get(method.drafter, (None, None))
+    return [routers.inconclusive(method_check(method.name, runs, draft_skip), runs, loop.dtype, loop.f32)]
+
+
+def class_row(name: str, why: str, built_here: bool) -> dict:
+    """``drafter class NAME``: a class the verifier had to build (a random preset's drafter) and could not is a failure
+    naming what it lacked, since the decoders' paths through that class go unverified; one a ``--draft`` folder is
+    not is reported (the user chose the folder)."""
+    import re
+
+    if not built_here:
+        return Check.of(f"drafter class {name}", passed=True, info=True, evidence=f"not run on this model: {why}").to_json()
+    field = re.search(r"has no attribute '(\w+)'", why)
+    what = (f"its code reads config.{field.group(1)}, which the verifier cannot make up for a scaled-down drafter"
+            if field else why)
+    return Check.of(f"drafter class {name}", passed=False, evidence=(
+        f"cannot build it from a scaled-down config: {what} ({why}); the decoders are not run with it: verify it on a "
+        "checkpoint whose config.json has it (--target DIR --draft DIR)")).to_json()

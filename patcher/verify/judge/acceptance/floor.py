@@ -19,7 +19,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from .calibration import MULTIPLE
+from ..calibration import MULTIPLE
 from .reference_decode import Positions, ScratchPair, decode, max_row_l1, walk
 
 FLOOR_FILE = "acceptance_floor.json"
@@ -41,7 +41,7 @@ def epsilon(target, draft, prompt, greedy: list[int], mask_id: int, block_size: 
     L1 norm (|Δlogit| <= |Δhidden|_max * |row|_1)."""
     import torch
 
-    from .drafter_oracle import calibrate
+    from ..drafter.recorder import calibrate
 
     cal = calibrate(target, draft, torch.tensor([prompt]), greedy, mask_id, block_size)
     row = max_row_l1(target.get_output_embeddings())
@@ -58,7 +58,7 @@ def measure(target, draft, target_dir, draft_dir, prompts: list[list[int]], text
     import torch
     import transformers
 
-    from ..models.load import greedy
+    from ...models.load import greedy
 
     methods = ["dflash"] + [f"ddtree_tb{b}" for b in budgets]
     pair = ScratchPair(target, draft, draft.mask_token_id, block_size)
@@ -84,7 +84,7 @@ def measure(target, draft, target_dir, draft_dir, prompts: list[list[int]], text
     return {
         "format": FORMAT,
         "command": command,
-        "made_by": "patcher/verify/judge/reference_decode.py: from-scratch chain and tree decoders, no cache",
+        "made_by": "patcher/verify/judge/acceptance/reference_decode.py: from-scratch chain and tree decoders, no cache",
         "weights": {"target": sha256(weights_of(target_dir)), "draft": sha256(weights_of(draft_dir))},
         "settings": {"dtype": "float32", "greedy": True, "block_size": block_size, "budgets": budgets,
                      "max_new_tokens": max_new_tokens, "stop_token_ids": stop_ids, "prompts": texts,

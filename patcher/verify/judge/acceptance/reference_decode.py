@@ -2,7 +2,7 @@
 
 Nothing here keeps a cache. Every round recomputes the target's features over the committed
 sequence (one forward, no cache), runs the drafter over the whole committed context
-(``drafter_oracle.reference_output``), reads the block's proposals through the target's LM head,
+(``drafter.recorder.reference_output``), reads the block's proposals through the target's LM head,
 and verifies them with fresh target forwards:
 
 - chain (DFlash): the block's argmax proposals; the target's greedy choice after each one, from
@@ -20,7 +20,7 @@ drafter within ``epsilon`` (in logits) of this one could reach there; ``floor`` 
 
 from __future__ import annotations
 
-from .drafter_oracle import embedding_scale, reference_output, roles_of
+from ..drafter.recorder import embedding_scale, reference_output, roles_of
 
 
 #: Rows of the LM head converted to float32 at once by ``max_row_l1`` (a real 248,320 x 5,120 head is 5 GB in float32).
