@@ -291,6 +291,18 @@ class Refereed:
         return bool(self.result.get("verdict", {}).get("passed"))
 
     @property
+    def check(self) -> Check:
+        """The verdict as the one check type every report renders: ``referee: KIND`` passed (or failed, or was
+        inconclusive) on the verdict's line, its figures (engine, reference, the prompts derived or at a near-tie) kept.
+        The JSON ``ddpatch referee --format json`` writes is the plain result, as before."""
+        v = dict(self.result.get("verdict") or {})
+        kind = (self.result.get("engine") or {}).get("kind", "engine")
+        figures = {k: x for k, x in v.items() if k not in ("passed", "line")}
+        if v.get("kind") == "inconclusive":
+            figures["inconclusive"] = True
+        return Check.of(f"referee: {kind}", passed=bool(v.get("passed")), evidence=v.get("line"), **figures)
+
+    @property
     def exit_code(self) -> int:
         return EXIT_OK if self.passed else EXIT_FAILED
 

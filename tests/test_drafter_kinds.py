@@ -128,8 +128,8 @@ def _starts(target, draft, prompt, seq):
     import torch
 
     from patcher.verify.judge.kind_reference import block_hidden_at, logits_of
-    from patcher.verify.judge.pair_reference import context_features
-    from patcher.verify.judge.reference_decode import ScratchPair
+    from patcher.verify.judge.acceptance.pair_reference import context_features
+    from patcher.verify.judge.acceptance.reference_decode import ScratchPair
 
     pair = ScratchPair(target, draft, 1, draft.block_size)
     feats = context_features(pair, seq)

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 from patcher.cli import main
 from patcher.referee.counters import Acceptance, EngineAnswer
-from patcher.referee.reference import PromptReference, engine_floor, engine_rounds
+from patcher.referee.reference import PromptReference
+from patcher.verify.judge.acceptance.reference_decode import floor, walk
 from patcher.referee.run import judge_prompt, verdict
 
 N = 16
@@ -32,10 +33,10 @@ def answer(tokens, accepted, rounds) -> EngineAnswer:
 
 def test_engine_rounds_clip_the_last_drafts_and_a_lone_last_token_is_no_round():
     # 16 new tokens: the prefill decides the first; at 4 a round, the 15 others in 4 rounds, the last cut to the 3 left
-    assert engine_rounds([4] * N, N) == [4, 4, 4, 3]
-    assert engine_rounds([4] * N, 14) == [4, 4, 4]  # 13 to decide: the last one alone, a plain decode (no draft, no round)
-    assert engine_floor([[4]] * N, N) == pytest.approx(15 / 4)
-    assert engine_floor([[3, 4]] * N, N) < engine_floor([[4]] * N, N) <= engine_floor([[3, 4]] * N, N, lowest=False)
+    assert walk([4] * N, N, engine=True) == [4, 4, 4, 3]
+    assert walk([4] * N, 14, engine=True) == [4, 4, 4]  # 13 to decide: the last one alone, a plain decode (no draft, no round)
+    assert floor([[4]] * N, N, engine=True) == pytest.approx(15 / 4)
+    assert floor([[3, 4]] * N, N, engine=True) < floor([[4]] * N, N, engine=True) <= floor([[3, 4]] * N, N, engine=True, lowest=False)
 
 
 def test_the_engine_at_a_correct_dflashs_acceptance_is_exact():
@@ -279,7 +280,7 @@ class MadeUpEngine:
         pass
 
     def generate(self, prompt, n):
-        from patcher.referee.reference import along, engine_rounds
+        from patcher.referee.reference import along
         from patcher.referee.ties import forward
 
         seq, part = list(prompt), None
@@ -298,7 +299,7 @@ class MadeUpEngine:
             seq.append(int(forward(self.target, seq)[-1].argmax()))
         got = seq[len(prompt):]
         at = along(self.target, self.draft, list(prompt), got, [8], 0.0).methods["dflash"]["at"]
-        rounds = engine_rounds(at, n)
+        rounds = walk(at, n, engine=True)
         acc = Acceptance(drafted=None, accepted=sum(rounds) - len(rounds), rounds=len(rounds), rounds_exact=True, source="made up")
         return EngineAnswer(engine="vllm", api="made-up", output_ids=got, text="", finish="length", prompt_tokens=len(prompt),
                             counters={"part": part}, acceptance=acc)
@@ -324,3 +325,24 @@ def test_the_referee_on_the_shipped_pair_passes_a_near_tie_and_fails_a_loss(monk
     else:
         assert first["tokens"] == "differs" and first["divergence"]["margin"] > 1.0, first
         assert not v["passed"] and v["kind"] == "not lossless" and "outside every tolerance" in v["line"], v
+
+
+def test_the_text_report_shows_near_ties_derived_ranges_and_the_verdict_as_a_check():
+    from patcher.report.referee import referee_text
+    from patcher.results import Refereed
+
+    row = {"prompt": 0, "identical": False, "first_difference": 38, "tokens": "near-tie", "engine": 3.5, "reference": 3.5,
+           "floor": 3.2, "acceptance": {"accepted": 54, "rounds": 9, "exact": False}, "derived": True,
+           "engine_range": [6.0, 7.75]}
+    result = {"engine": {"kind": "llama.cpp", "url": "http://127.0.0.1:1", "model": "m"}, "seconds": 1.0, "target": "t",
+              "draft": "d", "prompts_made": "1 prompt", "max_new_tokens": 64, "per_prompt": [row], "ddtree": {},
+              "verdict": {"kind": "inconclusive", "passed": False, "line": "inconclusive: why", "engine": 3.5,
+                          "reference": 3.5}}
+    text = referee_text(result)
+    assert "near-tie at 38" in text and "differs at" not in text
+    assert "6.00-7.75" in text  # every value the derived rounds allow
+    assert text.rstrip().endswith("INCONCLUSIVE: inconclusive: why")
+    check = Refereed(result).check
+    assert (check.name, check.status, check.evidence) == ("referee: llama.cpp", "inconclusive", "inconclusive: why")
+    result["verdict"].update(kind="exact", passed=True, line="the engine reaches it")
+    assert Refereed(result).check.status == "pass" and referee_text(result).rstrip().endswith("PASS: the engine reaches it")

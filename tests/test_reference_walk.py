@@ -1,12 +1,11 @@
-"""The one reference walk (patcher/verify/judge/reference_decode.py: ``walk``, ``floor``): verify's decoders count
-rounds as upstream's loops do, the referee's engines as an engine does (``engine=True``); the referee's own copies
-(``referee/reference.engine_rounds``/``engine_floor``) must agree with the door everywhere, so that it can call it."""
+"""The one reference walk (patcher/verify/judge/acceptance/reference_decode.py: ``walk``, ``floor``): verify's decoders
+count rounds as upstream's loops do, the referee's engines as an engine does (``engine=True``); the referee calls it
+(``referee/run.judge_prompt``), so both are checked here against the walks spelled out."""
 
 from __future__ import annotations
 
 import random
 
-from patcher.referee.reference import engine_floor, engine_rounds
 from patcher.verify.judge.acceptance.reference_decode import floor, walk
 
 
@@ -21,8 +20,21 @@ def _upstream_walk(at, n, stop_at=None):
     return out
 
 
-def _lowest_by_search(reachable, n, stop_at, engine):
-    """Every decode enumerated (small n only): the lowest mean of its rounds."""
+def _engine_walk(at, n, stop_at=None):
+    """An engine's loop, spelled out: the prefill decides the first token; a round commits at most the tokens left
+    minus one; with fewer than two left the engine decodes plainly (no round)."""
+    s, out = 0, []
+    while n - 1 - s >= 2:
+        a = min(at[s], n - 1 - s)
+        out.append(a)
+        if stop_at is not None and s < stop_at <= s + a:
+            break
+        s += a
+    return out
+
+
+def _lowest_by_search(reachable, n, stop_at, engine, pick=min):
+    """Every decode enumerated (small n only): the lowest (``pick=max``: highest) mean of its rounds."""
     means = []
 
     def go(s, rounds):
@@ -38,7 +50,7 @@ def _lowest_by_search(reachable, n, stop_at, engine):
                 go(s + a, rounds + [a])
 
     go(0, [])
-    return min(means) if means else None
+    return pick(means) if means else None
 
 
 def _cases(count=300, seed=7):
@@ -52,18 +64,17 @@ def _cases(count=300, seed=7):
 
 def test_the_door_walks_as_the_referee_and_as_upstream_do():
     for n, reachable, stop_at, at in _cases():
-        assert walk(at, n, stop_at, engine=True) == engine_rounds(at, n, stop_at)
+        assert walk(at, n, stop_at, engine=True) == _engine_walk(at, n, stop_at)
         assert walk(at, n, stop_at) == _upstream_walk(at, n, stop_at)
-        for lowest in (True, False):
-            assert floor(reachable, n, stop_at, engine=True, lowest=lowest) == engine_floor(reachable, n, stop_at, lowest)
 
 
 def test_the_floor_is_the_lowest_mean_of_any_decode():
     for n, reachable, stop_at, _ in _cases(150, seed=11):
         for engine in (False, True):
-            expected = _lowest_by_search(reachable, n, stop_at, engine)
-            got = floor(reachable, n, stop_at, engine=engine)
-            assert (got is None and expected is None) or abs(got - expected) < 1e-12, (n, reachable, stop_at, engine)
+            for pick, lowest in ((min, True), (max, False)):  # the floor and the ceiling
+                expected = _lowest_by_search(reachable, n, stop_at, engine, pick)
+                got = floor(reachable, n, stop_at, engine=engine, lowest=lowest)
+                assert (got is None and expected is None) or abs(got - expected) < 1e-12, (n, reachable, stop_at, engine)
 
 
 def test_an_engine_decodes_its_last_token_plainly():

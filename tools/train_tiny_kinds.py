@@ -164,8 +164,8 @@ def reference_acceptance(target, draft, out: Path, args, new: int = 48) -> dict:
     from transformers import PreTrainedTokenizerFast
 
     from patcher.verify.judge import kind_reference as kr
-    from patcher.verify.judge.pair_reference import context_features
-    from patcher.verify.judge.reference_decode import ScratchPair, walk
+    from patcher.verify.judge.acceptance.pair_reference import context_features
+    from patcher.verify.judge.acceptance.reference_decode import ScratchPair, walk
 
     tok = PreTrainedTokenizerFast.from_pretrained(out / "target")
     prompts = json.loads((out / "metadata.json").read_text())["held_out_prompts"]

@@ -28,45 +28,9 @@ class PromptReference:
     methods: dict = field(default_factory=dict)  # method -> {"at": [...], "reachable": [[...], ...]}
 
 
-def engine_rounds(at: list[int], n: int, stop_at: int | None = None) -> list[int]:
-    """The rounds of a decode of ``n`` new tokens (the prefill decides the first) that accepts ``at[s]`` at start ``s``,
-    counted as an engine counts them: a round commits at most the ``n - 1 - s`` tokens left, and where only one is left
-    the engine decodes it plainly (no draft: no round)."""
-    s, out = 0, []
-    while n - 1 - s >= 2:
-        a = min(at[s], n - 1 - s)
-        out.append(a)
-        if stop_at is not None and s < stop_at <= s + a:
-            break
-        s += a
-    return out
-
-
-def engine_floor(reachable: list[list[int]], n: int, stop_at: int | None = None, lowest: bool = True) -> float | None:
-    """The lowest (``lowest=False``: the highest) mean of any decode whose round at ``s`` accepts one of
-    ``reachable[s]``, counted as ``engine_rounds`` counts. Exact: over every start, for each number of tokens a decode
-    from there commits, the most (fewest) rounds that commit it. None: no round at all."""
-    pick = max if lowest else min
-    best: dict[int, dict[int, int]] = {}  # start -> {tokens committed from there: most (fewest) rounds}
-    for s in range(n - 1, -1, -1):
-        left = n - 1 - s
-        if left < 2:
-            best[s] = {0: 0}
-            continue
-        ends: dict[int, int] = {}
-        for a in sorted({min(x, left) for x in reachable[s]}):
-            tails = {0: 0} if stop_at is not None and s < stop_at <= s + a else best[s + a]
-            for tokens, rounds in tails.items():
-                key = tokens + a
-                ends[key] = pick(ends[key], rounds + 1) if key in ends else rounds + 1
-        best[s] = ends
-    means = [t / r for t, r in best[0].items() if r]
-    return (min if lowest else max)(means) if means else None
-
-
 def engine_accepted_range(reachable: list[list[int]], n: int, stop_at: int | None = None) -> tuple[int, int] | None:
     """(fewest, most) draft tokens a decode whose round at ``s`` commits one of ``reachable[s]`` accepts in all, counted as
-    ``engine_rounds`` counts (a round commits its accepted drafts and one token of the target's, so it accepts one less
+    the one reference walk counts with ``engine=True`` (``verify/judge/acceptance/reference_decode.walk``) (a round commits its accepted drafts and one token of the target's, so it accepts one less
     than it commits). What an engine whose rounds are derived but whose accepted tokens are counted is judged by: with
     the tokens fixed, more accepted means fewer rounds, so this range says what the floor and ceiling say, exactly.
     None: no round at all."""
@@ -154,8 +118,8 @@ def along(target, draft, prompt: list[int], tokens: list[int], budgets, epsilon:
     start, what a correct DFlash (and DDTree) accepts when the committed sequence is the engine's. A proposal is
     accepted iff it equals the sequence's next token, so this is the acceptance of a correct decoder whose target took
     the engine's side of each tie."""
-    from ..verify.judge.pair_reference import methods_for, prompt_entry
-    from ..verify.judge.reference_decode import ScratchPair
+    from ..verify.judge.acceptance.pair_reference import methods_for, prompt_entry
+    from ..verify.judge.acceptance.reference_decode import ScratchPair
 
     block = int(getattr(draft, "block_size", None) or draft.config.block_size)
     pair = ScratchPair(target, draft, int(draft.mask_token_id), block)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..errors import PromptTooLong, RefereeError
 from . import engines
-from .reference import engine_accepted_range, engine_floor, engine_rounds
+from .reference import engine_accepted_range
 from .ties import check_divergences
 
 #: a probe text the engine and the target's tokenizer must split alike
@@ -64,21 +64,23 @@ def judge_prompt(i: int, ref, answer, max_new_tokens: int, budgets, divergence=N
         elif divergence.kind == "undecided":
             row["tokens"] = "undecided"
     row["reference_along"] = "engine" if walk is not ref else "target"
+    from ..verify.judge.acceptance.reference_decode import floor, walk as rounds_of  # the one reference walk
+
     n = len(walk.greedy) if walk.stop_at is None else max_new_tokens
     stop = walk.stop_at
     chain = walk.methods["dflash"]
-    rounds = engine_rounds(chain["at"], n, stop)
+    rounds = rounds_of(chain["at"], n, stop, engine=True)
     row["reference"] = _mean(rounds)
     row["reference_rounds"] = len(rounds)
-    row["floor"] = engine_floor(chain["reachable"], n, stop)
-    row["ceiling"] = engine_floor(chain["reachable"], n, stop, lowest=False)
+    row["floor"] = floor(chain["reachable"], n, stop, engine=True)
+    row["ceiling"] = floor(chain["reachable"], n, stop, engine=True, lowest=False)
     reach = engine_accepted_range(chain["reachable"], n, stop)
     row["accepted_reference"] = list(reach) if reach else None
     span = answer.acceptance.span
     row["span"] = list(span) if span else None
     row["engine_range"] = [1 + span[0] / span[3], 1 + span[1] / span[2]] if span else None
     row["derived"] = span is not None and (span[0] != span[1] or span[2] != span[3])
-    row["ddtree"] = {b: _mean(engine_rounds(walk.methods[f"ddtree_tb{b}"]["at"], n, stop)) for b in budgets}
+    row["ddtree"] = {b: _mean(rounds_of(walk.methods[f"ddtree_tb{b}"]["at"], n, stop, engine=True)) for b in budgets}
     row["room"] = any(min(r) > 1 for r in chain["reachable"][: max(0, n - 2)])
     return row
 

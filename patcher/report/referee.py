@@ -1,6 +1,11 @@
-"""``ddpatch referee``'s text report, from the plain result of ``patcher.referee.run``."""
+"""``ddpatch referee``'s text report, from the plain result of ``patcher.referee.run`` and its verdict as a ``Check``."""
 
 from __future__ import annotations
+
+from ..results import Refereed
+
+#: the word a verdict's status is shown with
+WORDS = {"pass": "PASS: ", "inconclusive": "INCONCLUSIVE: ", "fail": "FAIL: "}
 
 
 def _f(x, digits: int = 2) -> str:
@@ -14,18 +19,25 @@ def referee_text(result: dict) -> str:
            f"  prompts: {result['prompts_made']} · {result['max_new_tokens']} new tokens each",
            "  acceptance: mean tokens a verification round commits, the bonus included (the engine's counters, converted; "
            "docs/engines.md)", ""]
-    head = f"{'prompt':>6}  {'tokens':>13}  {'engine':>7}  {'reference':>9}  {'floor':>6}  counters"
+    head = f"{'prompt':>6}  {'tokens':>13}  {'engine':>11}  {'reference':>9}  {'floor':>6}  counters"
     out.append(head)
     for r in result["per_prompt"]:
         same = "exact" if r["identical"] else ("?" if r["identical"] is None else f"differs at {r['first_difference']}")
+        if r.get("tokens") in ("near-tie", "undecided"):  # parts from the float32 greedy where the target barely decides
+            same = f"{r['tokens']} at {r['first_difference']}"
         acc = r["acceptance"]
         how = f"{acc.get('accepted')} accepted / {acc.get('rounds')} rounds" + ("" if acc.get("exact") else " (rounds derived)")
-        out.append(f"{r['prompt']:>6}  {same:>13}  {_f(r['engine']):>7}  {_f(r['reference']):>9}  {_f(r['floor']):>6}  {how}")
+        engine = _f(r["engine"])
+        if r.get("derived") and r.get("engine_range"):  # every value the derivation allows
+            low, high = r["engine_range"]
+            engine = f"{_f(low)}-{_f(high)}" if abs(high - low) >= 0.005 else _f(low)
+        out.append(f"{r['prompt']:>6}  {same:>13}  {engine:>11}  {_f(r['reference']):>9}  {_f(r['floor']):>6}  {how}")
     v = result["verdict"]
     out.append("")
     out.append(f"  overall: engine {_f(v.get('engine'))} · a correct DFlash {_f(v.get('reference'))} tokens a round")
     if result.get("ddtree"):
         trees = ", ".join(f"budget {b}: {_f(m)}" for b, m in result["ddtree"].items())
         out.append(f"  a correct DDTree with this pair: {trees} (what an engine without trees gives up)")
-    out.append(("PASS: " if v["passed"] else ("INCONCLUSIVE: " if v["kind"] == "inconclusive" else "FAIL: ")) + v["line"])
+    check = Refereed(result).check
+    out.append(WORDS.get(check.status, "FAIL: ") + check.evidence)
     return "\n".join(out) + "\n"

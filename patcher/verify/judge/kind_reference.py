@@ -21,7 +21,7 @@ by a drafter within epsilon of this one), the shape ``reference_decode.chain_at`
 
 from __future__ import annotations
 
-from .reference_decode import reachable
+from .acceptance.reference_decode import reachable
 
 #: state-dict name suffixes of the weights each kind's reference reads (llama.cpp's converter reads the same names)
 NAMES = {
@@ -48,7 +48,7 @@ def block_hidden_at(pair, features, seq: list[int], s: int):
     """The drafter's output hidden states at every position of the round that starts at ``seq[s]`` (float32, CPU)."""
     import torch
 
-    from .drafter_oracle import embedding_scale, reference_output
+    from .drafter.recorder import embedding_scale, reference_output
 
     with torch.inference_mode():
         noise = (pair.embed(pair._ids([seq[s]] + [pair.mask_id] * (pair.block_size - 1))) * embedding_scale(pair.draft)).to(pair.dtype)
