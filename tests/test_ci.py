@@ -566,7 +566,7 @@ def test_print_workflow():
 
 
 # ----------------------------------------------------------------------------- --verify, once, on real decoding code
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_verify_on_a_patched_commit(tmp_path, monkeypatch):
     from patcher.verify.process import runner
 
