@@ -23,8 +23,9 @@ from patcher import api
 from patcher.verify.process import runner
 
 ROOT = Path(__file__).resolve().parent.parent
-#: small, and still enough for the code-shape-only control to fail on tiny-qwen3_5
-SETTINGS = dict(presets=["tiny-qwen3_5"], seeds=[0, 1], prompts=1, max_new_tokens=24, tree_budgets=[4], greedy_only=True)
+#: small, and still enough for the code-shape-only control to fail on tiny-qwen3_5 (it fails with one seed and 16 tokens
+#: as it did with two seeds and 24)
+SETTINGS = dict(presets=["tiny-qwen3_5"], seeds=[0], prompts=1, max_new_tokens=16, tree_budgets=[4], greedy_only=True)
 
 
 def _patched(dest: Path, ignore: str | None = None) -> Path:
