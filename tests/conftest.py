@@ -5,7 +5,10 @@ the test, so a clean clone cannot turn red by chance, and a failure reproduces o
 machine. Explore new random examples with ``HYPOTHESIS_PROFILE=dev python3 -m pytest ...``;
 a failure there prints a ``@reproduce_failure`` blob to paste into the test.
 
-``-m "not slow"`` is the fast day-to-day subset (see README); .ci/run runs everything.
+Tiers (markers in pyproject.toml): ``python3 -m pytest -q`` (the README's command) runs every test
+but the ``heavy`` ones (addopts ``-m "not heavy"``); ``-m "not slow"`` is the fast day-to-day subset
+(every ``heavy`` test is ``slow`` too, marked so here); ``-m heavy`` runs the heavy ones, as .ci/run
+does after the README's command, so CI runs every test. ``-m ""`` runs them all in one go.
 
 Parallel workers (pytest-xdist, ``-n auto --dist loadgroup`` in pyproject's addopts; ``-n 0``
 runs in one process): every test is grouped with the rest of its file, so a file's
@@ -18,7 +21,10 @@ Each worker also runs a warm verifier (``patcher.verify.process.runner.warm_veri
 session: a ``ddpatch verify`` child, in process or from a ``ddpatch`` subprocess, is forked
 from a process that imported torch and transformers once, instead of a fresh Python (about
 half of a tiny verify's time). ``DDPATCH_TEST_VERIFIER=fresh`` runs every verify the way a
-user's single ``ddpatch verify`` does; ``tests/test_warm_verifier.py`` holds the two equal.
+user's single ``ddpatch verify`` does; ``tests/test_warm_verifier.py`` holds the two equal. The
+session's server never idles out (``DDPATCH_WARM_IDLE=0``: a worker can go longer than the default
+15 minutes between two verifies), and a test that needs its verifies forked asks for ``warm_server``,
+which starts it again where an earlier test ended it (``tests/warm_support.py``).
 """
 
 from __future__ import annotations
@@ -86,6 +92,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(_group(item)))
+        if item.get_closest_marker("heavy") is not None and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)  # a heavy test is slow too: `-m "not slow"` (it replaces addopts' -m) leaves it out
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -104,13 +112,43 @@ def _own_ddpatch_home():
             os.environ.pop("DDPATCH_HOME", None)
 
 
+@pytest.fixture
+def journal_home(tmp_path, monkeypatch):
+    """``DDPATCH_HOME`` in the test's own ``tmp_path`` (``home``), for a test that reads or writes the journal:
+    a file asks for it for all its tests with ``pytestmark = pytest.mark.usefixtures("journal_home")``."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("DDPATCH_HOME", str(home))
+    return home
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _warm_verifier(_own_ddpatch_home):
-    """One warm verifier per test session (per xdist worker); see the module docstring."""
+    """One warm verifier per test session (per xdist worker), never idle; see the module docstring."""
     if os.environ.get("DDPATCH_TEST_VERIFIER", "warm") == "fresh":
         yield None
         return
-    from patcher.verify.process.runner import warm_verifier
+    from warm_support import WarmServer
 
-    with warm_verifier() as path:
-        yield path
+    server = WarmServer()
+    server.live()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def warm_server(_warm_verifier):
+    """The socket of a warm verifier that answers, named by ``DDPATCH_WARM_VERIFIER`` for this test (so
+    ``runner.warm_verifier()`` reuses it), for a test that asserts its verifies are forked: the session's,
+    started again where an earlier test ended it, or, under ``DDPATCH_TEST_VERIFIER=fresh``, the test's own."""
+    if _warm_verifier is not None:
+        yield _warm_verifier.live()
+        return
+    from warm_support import WarmServer
+
+    own = WarmServer()
+    try:
+        yield own.live()
+    finally:
+        own.close()

@@ -20,7 +20,7 @@ from pair_support import pair_b
 from tree_mutants import CATALOGS, patched_vendored, plant_together
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 SETTINGS = ["--prompts", "4", "--max-new-tokens", "64", "--tree-budgets", "8,16", "--greedy-only"]
 
 

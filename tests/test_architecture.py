@@ -28,9 +28,7 @@ def graph():
     return module
 
 
-@pytest.fixture(autouse=True)
-def _journal_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("DDPATCH_HOME", str(tmp_path / "home"))
+pytestmark = pytest.mark.usefixtures("journal_home")  # DDPATCH_HOME in the test's tmp_path (tests/conftest.py)
 
 
 def test_the_import_graph_has_no_cycle_and_points_down(graph):

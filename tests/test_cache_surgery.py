@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+from cli_support import run
 from fixture_support import run_codemod
 from runtime_support import ATOL, RTOL, model, one_thread, prefill  # noqa: F401 (fixture)
 
 from patcher import runtime as rt
-from patcher.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLE = ROOT.parent / "shared" / "upstream" / "ddtree.bundle"
@@ -38,13 +37,7 @@ HELPER = '''def rewind(cache, length):
 '''
 
 
-@pytest.fixture(autouse=True)
-def _journal_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("DDPATCH_HOME", str(tmp_path / "home"))
-
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+pytestmark = pytest.mark.usefixtures("journal_home")  # DDPATCH_HOME in the test's tmp_path (tests/conftest.py)
 
 
 def load(text: str, monkeypatch):

@@ -16,13 +16,12 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from cli_support import run as ddpatch
 
 from patcher.ci.history import BISECT_THRESHOLD, run_ci
 from patcher.ci.lock import update_lock_text
 from patcher.ci.workflow import workflow_template
 from patcher.errors import CIError
-from patcher.cli import main
 from patcher.engine.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -205,7 +204,8 @@ def linear(upstream):
 
 
 def run(*args):
-    return CliRunner().invoke(main, ["ci", *map(str, args)], catch_exceptions=False)
+    """``ddpatch ci ARGS...`` in this process."""
+    return ddpatch("ci", *args)
 
 
 def statuses(ev) -> dict[str, str]:
@@ -566,7 +566,7 @@ def test_print_workflow():
 
 
 # ----------------------------------------------------------------------------- --verify, once, on real decoding code
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_verify_on_a_patched_commit(tmp_path, monkeypatch):
     from patcher.verify.process import runner
 

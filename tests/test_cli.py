@@ -12,9 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from cli_support import run
 
-from patcher.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 VENDORED = ROOT / "vendored"
@@ -35,9 +34,7 @@ STEPS = [
 RECIPE_STEPS = [*STEPS[:3], "removed-cache-api", "cache-surgery", *STEPS[3:]]
 
 
-@pytest.fixture(autouse=True)
-def _journal_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("DDPATCH_HOME", str(tmp_path / "home"))
+pytestmark = pytest.mark.usefixtures("journal_home")  # DDPATCH_HOME in the test's tmp_path (tests/conftest.py)
 
 
 @pytest.fixture
@@ -52,10 +49,6 @@ def dflash(tmp_path) -> Path:
     dest = tmp_path / "dflash"
     shutil.copytree(VENDORED / "dflash", dest, ignore=shutil.ignore_patterns("__pycache__"))
     return dest
-
-
-def run(*args: str):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
 def snapshot(root: Path) -> dict[str, bytes]:

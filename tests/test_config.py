@@ -7,9 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from cli_support import run
 
-from patcher.cli import main
 from patcher.config import ConfigError, find_config, load_config
 
 TIMING = "import torch\n\n\ndef timed():\n    torch.cuda.synchronize()\n"
@@ -20,10 +19,6 @@ CROP = "def f(cache):\n    cache.crop(3)\n"
 def _home(tmp_path, monkeypatch):
     monkeypatch.setenv("DDPATCH_HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
-
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
 def checkout(tmp_path: Path) -> Path:

@@ -82,8 +82,8 @@ SHAPES = {
 }
 
 
-@pytest.fixture(scope="module", params=[pytest.param("transformers", marks=pytest.mark.slow),
-                                        pytest.param("torch", marks=pytest.mark.slow), "transformers-sample", "torch-sample",
+@pytest.fixture(scope="module", params=[pytest.param("transformers", marks=pytest.mark.heavy),
+                                        pytest.param("torch", marks=pytest.mark.heavy), "transformers-sample", "torch-sample",
                                         "vendored"])
 def corpus(request, tmp_path_factory):
     """(name, root, report): a whole package, its sample (``name`` ends in ``-sample``), or vendored/."""

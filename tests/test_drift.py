@@ -171,7 +171,7 @@ def test_apply_outcome_is_the_recorded_one(variant, applied):
     problems = outcome.unexpected_no_matches(sites, variant.expected)
     assert not problems, f"{variant.name}: expected exactly {variant.describe_expected()}; {'; '.join(problems)}"
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("variant", LOSSLESS_PARAMS)
 def test_apply_exit_0_means_lossless(variant, applied):
     _runs_here(variant)

@@ -125,7 +125,7 @@ def overall(results) -> float:
     return 1.0 + sum(r["timings"]["draft_n_accepted"] for r in results) / sum(r["rounds"] for r in results)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_engine_decodes_the_pair_as_the_targets_greedy(correct, greedy, floor):
     for i, (result, tokens) in enumerate(zip(correct, greedy)):
         assert tokens == floor["prompts"][i]["greedy"][:N_PREDICT]  # transformers today == the stored floor
@@ -133,7 +133,7 @@ def test_the_engine_decodes_the_pair_as_the_targets_greedy(correct, greedy, floo
         assert result["timings"]["predicted_n"] == N_PREDICT
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_engines_counters_are_those_of_a_correct_dflash(correct, floor):
     """Per prompt: the rounds, drafted and accepted tokens the reference's acceptance at every start implies
     under llama-server's rules (expected_counters), and tokens per round close to the reference's own decode."""
@@ -145,7 +145,7 @@ def test_the_engines_counters_are_those_of_a_correct_dflash(correct, floor):
         assert abs(engine - reference) <= 0.35, f"prompt {i}: engine {engine:.2f} tokens a round, reference {reference:.2f}"
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_draft_longer_than_the_block_is_clamped_to_the_block(llama, pair, floor, correct, tmp_path_factory):
     clamped = run_prompts(llama, *pair, floor, tmp_path_factory, n_max=15)
     assert "clamping to 7" in clamped[0]["log"]
@@ -167,7 +167,7 @@ def layers(llama, pair, tmp_path_factory):
     return make
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_target_layers_in_the_wrong_order_stay_lossless_but_lose_acceptance(llama, pair, floor, greedy, correct, layers, tmp_path_factory):
     broken = run_prompts(llama, pair[0], layers([7, 5, 2]), floor, tmp_path_factory)
     assert [r["tokens"] for r in broken] == greedy  # the target still verifies every token
@@ -175,7 +175,7 @@ def test_target_layers_in_the_wrong_order_stay_lossless_but_lose_acceptance(llam
     assert not any(as_correct(broken, floor))
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_target_layers_off_by_one_show_in_the_counters_not_in_the_acceptance(llama, pair, floor, greedy, correct, layers, tmp_path_factory):
     """The converter's ``+ 1`` forgotten: neighbouring layers' features are close enough that this pair accepts
     as much on average, so only a round-by-round comparison with a correct DFlash tells the two apart."""
@@ -185,7 +185,7 @@ def test_target_layers_off_by_one_show_in_the_counters_not_in_the_acceptance(lla
     assert sum(as_correct(broken, floor)) <= 2, as_correct(broken, floor)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_drafts_cut_below_the_trained_block_stay_lossless_but_lose_acceptance(llama, pair, floor, greedy, correct, tmp_path_factory):
     broken = run_prompts(llama, *pair, floor, tmp_path_factory, n_max=3)
     assert [r["tokens"] for r in broken] == greedy
@@ -193,7 +193,7 @@ def test_drafts_cut_below_the_trained_block_stay_lossless_but_lose_acceptance(ll
     assert overall(broken) < overall(correct) - 0.5, (overall(broken), overall(correct))
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_server_stops_on_every_way_out_and_requests_are_bounded(llama, pair, tmp_path):
     seen = []
     for error in (AssertionError, KeyboardInterrupt):
@@ -217,7 +217,7 @@ def test_the_server_stops_on_every_way_out_and_requests_are_bounded(llama, pair,
             assert s.connect_ex(("127.0.0.1", port)) != 0
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_server_that_cannot_start_is_reported_with_its_log(llama, tmp_path):
     bogus = tmp_path / "not-a-model.gguf"
     bogus.write_bytes(b"GGUF nothing")
@@ -255,7 +255,7 @@ def referee(llama, target, draft, tmp_path_factory, **serve) -> tuple[int, dict]
     return proc.returncode, json.loads(proc.stdout)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_referee_finds_the_correct_engine_exact_at_a_correct_dflashs_acceptance(llama, pair, tmp_path_factory):
     code, result = referee(llama, *pair, tmp_path_factory)
     v = result["verdict"]
@@ -267,7 +267,7 @@ def test_the_referee_finds_the_correct_engine_exact_at_a_correct_dflashs_accepta
     assert set(result["ddtree"]) == {"8", "16"} and result["engine"]["kind"] == "llama.cpp"  # JSON keys are strings
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_referee_passes_the_correct_engine_at_llama_servers_defaults_where_the_rounds_are_derived(llama, pair, tmp_path_factory):
     """Issue 50: without --metrics the rounds are derived (one too many after a plain last step); the accepted tokens are
     counted, so the verdict holds for every round count the derivation allows: PASS, naming the derived prompts."""
@@ -280,7 +280,7 @@ def test_the_referee_passes_the_correct_engine_at_llama_servers_defaults_where_t
         assert row["accepted_reference"][0] - 1 <= row["span"][0] <= row["accepted_reference"][1] + 1, row  # one token: LAST_ROUND_SLACK
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_referee_reports_a_drafter_read_at_the_wrong_layers_with_its_figures(llama, pair, layers, tmp_path_factory):
     code, result = referee(llama, pair[0], layers([7, 5, 2]), tmp_path_factory)
     v = result["verdict"]

@@ -10,9 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-
-from patcher.cli import main
+from cli_support import run
 
 ROOT = Path(__file__).resolve().parent.parent
 VENDORED = ROOT / "vendored"
@@ -20,9 +18,7 @@ RECIPE = ["--recipe", "qwen3_6-gdn", "-j", "1"]
 TIMING = "import torch\n\n\ndef timed():\n    torch.cuda.synchronize()\n"
 
 
-@pytest.fixture(autouse=True)
-def _journal_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("DDPATCH_HOME", str(tmp_path / "home"))
+pytestmark = pytest.mark.usefixtures("journal_home")  # DDPATCH_HOME in the test's tmp_path (tests/conftest.py)
 
 
 @pytest.fixture
@@ -30,10 +26,6 @@ def ddtree(tmp_path) -> Path:
     dest = tmp_path / "ddtree"
     shutil.copytree(VENDORED / "ddtree", dest, ignore=shutil.ignore_patterns("__pycache__"))
     return dest
-
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
 def one_error_line(result, needle: str) -> str:

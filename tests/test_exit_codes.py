@@ -17,10 +17,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from click.testing import CliRunner
+from cli_support import run
 
 from patcher import api
-from patcher.cli import main
 from patcher.results import EXIT_ERROR, EXIT_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, Outcome
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,10 +31,6 @@ GUARDED = "import torch\n\n\ndef timed():\n    if torch.cuda.is_available():\n  
 @pytest.fixture(autouse=True)
 def _home(tmp_path, monkeypatch):
     monkeypatch.setenv("DDPATCH_HOME", str(tmp_path / "home"))
-
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
 def tree(tmp_path: Path, text: str, name: str = "t") -> Path:

@@ -297,7 +297,7 @@ def checks_of(payload: dict) -> dict[tuple[str, str], dict]:
     return {(m["model"], c["check"]): c for m in payload["models"] for c in m["checks"]}
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_ddtree_and_dflash_are_lossless_on_every_family(tmp_path):
     code, payload = verify_json(patched(tmp_path, "ddtree"), SERVED, "--seeds", "0,1", "--tree-budgets", "4,8")
     failed = [(k, c["evidence"]) for k, c in checks_of(payload).items() if not c["passed"]]
@@ -312,7 +312,7 @@ def test_ddtree_and_dflash_are_lossless_on_every_family(tmp_path):
             assert len(hist) > 1, f"{model['model']} {method['method']}: acceptance never varied"
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_dflash_layout_is_lossless_on_sliding_mamba_and_conv_targets(tmp_path):
     presets = ["tiny-gpt-oss", "tiny-nemotron-h", "tiny-lfm2"]
     code, payload = verify_json(patched(tmp_path, "dflash"), presets, "--seeds", "0,1")
@@ -320,7 +320,7 @@ def test_dflash_layout_is_lossless_on_sliding_mamba_and_conv_targets(tmp_path):
     assert code == 0 and not failed, failed
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_control_code_shape_only_fails_on_every_stateful_family(tmp_path):
     code, payload = verify_json(patched(tmp_path, "ddtree", ignore=SHAPE_ONLY), STATEFUL, "--seeds", "0", tokens=12)
     assert code == 1
@@ -333,7 +333,7 @@ def test_control_code_shape_only_fails_on_every_stateful_family(tmp_path):
             assert "diverges at new token" in check["evidence"]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_verify_refuses_what_cannot_be_served_in_one_line(tmp_path):
     code, payload = verify_json(patched(tmp_path, "ddtree"), REFUSED, "--seeds", "0", tokens=4)
     assert code == 1

@@ -24,7 +24,7 @@ SERVED = [name for name, p in PRESETS.items() if p.refusal is None and not p.fol
 #: float16 on three families: Gated DeltaNet, Mamba2, Kimi Delta Attention.
 HALF = ["tiny-qwen3_5", "tiny-nemotron-h", "tiny-kimi-linear"]
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 
 def ddpatch(*args, env: dict | None = None):

@@ -13,24 +13,17 @@ import sys
 from pathlib import Path, PurePosixPath
 
 import pytest
-from click.testing import CliRunner
+from cli_support import run
 
 from drift.variants import BY_NAME, VENDORED
 from patcher import api
-from patcher.cli import main
 from patcher.engine.pipeline import _matches, exclude_globs
 from patcher.verify.subjects import decoders
 
 RECIPE = ["--recipe", "qwen3_6-gdn", "-j", "1"]
 
 
-@pytest.fixture(autouse=True)
-def _journal_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("DDPATCH_HOME", str(tmp_path / "home"))
-
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+pytestmark = pytest.mark.usefixtures("journal_home")  # DDPATCH_HOME in the test's tmp_path (tests/conftest.py)
 
 
 def variant(name: str, tmp_path: Path) -> Path:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 
 def ddpatch(*args, timeout=900):

@@ -120,7 +120,7 @@ def wheel(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_wheel_carries_the_data_under_patcher_and_no_other_top_level_package(wheel):
     with zipfile.ZipFile(wheel) as z:
         infos = z.infolist()
@@ -139,7 +139,7 @@ def test_the_wheel_carries_the_data_under_patcher_and_no_other_top_level_package
     assert not big and sum(i.file_size for i in rest) < REST_CAP, (big, sum(i.file_size for i in rest))
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_wheel_built_from_the_sdist_is_the_same(wheel, tmp_path):
     """``python -m build`` and ``uv build`` go through the sdist: MANIFEST.in must bring recipes/ and vendored/ along."""
     source = _source_copy(tmp_path / "src")
@@ -202,7 +202,7 @@ def test_a_venv_over_this_environment_imports_what_this_environment_does(tmp_pat
         assert Path(origin).resolve() == Path(here).resolve(), (name, origin, here)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_ddpatch_demo_runs_from_the_installed_wheel_in_any_folder(wheel, tmp_path):
     """The wheel in a venv (torch and the rest from the environment that runs the tests, whatever kind it is:
     ``.ci/wheel`` installs them afresh), ``ddpatch demo`` from a folder that is not the checkout: patched, verified,

@@ -16,12 +16,11 @@ from pathlib import Path
 import libcst as cst
 import libcst.matchers as m
 import pytest
-from click.testing import CliRunner
+from cli_support import run
 from hypothesis import given
 from hypothesis import strategies as st
 from libcst.codemod import CodemodContext
 
-from patcher.cli import main
 from patcher.engine import pipeline
 from patcher.engine.codemods import CODEMODS
 from patcher.engine.codemods.base import RUNTIME_MODULE, Step, ast_dotted
@@ -37,13 +36,7 @@ RECIPE = load_recipe("qwen3_6-gdn")
 BROKEN = "def f(cache):\n    cache.crop(3\n"
 
 
-@pytest.fixture(autouse=True)
-def _journal_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("DDPATCH_HOME", str(tmp_path / "home"))
-
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+pytestmark = pytest.mark.usefixtures("journal_home")  # DDPATCH_HOME in the test's tmp_path (tests/conftest.py)
 
 
 def fork(tmp_path: Path, extra: dict[str, str], decoder_at: str = "") -> Path:

@@ -440,7 +440,7 @@ def test_speculative_sampling_with_an_assistant_follows_the_target():
     assert len(calls) >= 200 and sum(n > ids.shape[1] for n in calls) >= 200, calls[:10]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ("tiny-qwen3_5", "tiny-nemotron-h"))
 def test_speculative_sampling_with_prompt_lookup_follows_the_target(name):
     model, _ = sampling_pair(name)
@@ -495,7 +495,7 @@ def test_verify_generate_fails_when_only_the_refusal_is_lifted(monkeypatch):
     assert failed & {"logits == from-scratch: assistant", "logits == from-scratch: prompt-lookup"}, failed
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_verify_generate_under_sampling_judges_logits_and_the_distribution():
     from patcher.verify.judge.generate_mode import run_generate
 

@@ -94,7 +94,7 @@ def test_every_family_is_served_exactly_or_refused_on_entry_in_one_line(model_ty
         _check_shape(model_type, shape, LIVE_MODES)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("model_type", [mt for mt in EVERY_MODE if mt in SHIPPED])
 def test_the_families_of_the_reported_bugs_are_exact_in_every_mode(model_type):
     for shape in lf.shapes(model_type):

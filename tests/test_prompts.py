@@ -10,9 +10,8 @@ import re
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from cli_support import run
 
-from patcher.cli import main
 from patcher.verify.models import prompts as P
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,10 +42,6 @@ def runs(monkeypatch):
 
     monkeypatch.setattr("patcher.verify.process.runner.run_verify", fake)
     return seen
-
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
 def write(path: Path, lines: list) -> Path:

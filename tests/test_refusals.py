@@ -42,9 +42,7 @@ def dflash_generate(model, target, input_ids, max_new_tokens, block_size):
 '''
 
 
-@pytest.fixture(autouse=True)
-def _journal_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("DDPATCH_HOME", str(tmp_path / "home"))
+pytestmark = pytest.mark.usefixtures("journal_home")  # DDPATCH_HOME in the test's tmp_path (tests/conftest.py)
 
 
 def tree(root: Path, files: dict[str, str]) -> Path:

@@ -13,23 +13,16 @@ import shutil
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from cli_support import run
 
 from drift.variants import VENDORED
-from patcher.cli import main
 from patcher.engine.survey import array_framework, decoder_function
 from patcher.verify.subjects import decoders
 
 RECIPE = ["--recipe", "qwen3_6-gdn", "-j", "1"]
 
 
-@pytest.fixture(autouse=True)
-def _journal_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("DDPATCH_HOME", str(tmp_path / "home"))
-
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+pytestmark = pytest.mark.usefixtures("journal_home")  # DDPATCH_HOME in the test's tmp_path (tests/conftest.py)
 
 
 #: a DFlash-style decode loop in another array framework: its import line, its array module's name

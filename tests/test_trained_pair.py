@@ -154,7 +154,7 @@ def test_the_floor_is_measured_on_the_shipped_weights_and_prompts_and_says_how()
     assert "held out" in meta["corpus"]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_floor_is_reproduced_by_the_reference_decoders_and_equals_the_patched_tree(tree):
     """Recomputed here on the first prompt (16 starts), the stored entries come back; the from-scratch decode, the
     stored per-start walk and the patched tree's own decoders give the same acceptance lengths, round by round."""
@@ -258,13 +258,13 @@ def test_proposals_from_the_wrong_block_positions_fail_the_acceptance_check_alon
     assert all(checks[f"drafter: {m}"]["passed"] for m in BOTH)  # the drafter oracle sees nothing wrong
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("bug", [b for b in TRAINED_BUGS if b != "proposals-shifted"])
 def test_every_planted_draft_side_bug_fails_verify_on_the_trained_pair(tree, tmp_path, bug):
     _verify_planted(tree, tmp_path, bug)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_random_drafter_of_the_same_shape_does_not_reach_it(tree, tmp_path):
     """The control: the same folders with the drafter's weights freshly drawn still decode losslessly, but the
     acceptance bar of the test above fails; and a drafter whose rounds never accept part of a block cannot show a
@@ -287,7 +287,7 @@ def test_a_random_drafter_of_the_same_shape_does_not_reach_it(tree, tmp_path):
     assert "drafter oracle: pass" in row["evidence"]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_training_script_smoke_run(tmp_path):
     out = tmp_path / "pair"
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "train_tiny_pair.py"), "--steps", "5", "--distill", "16",

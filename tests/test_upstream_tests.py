@@ -75,7 +75,7 @@ def _row(patched: Path, original: Path) -> dict:
 
 
 # ----------------------------------------------------------------------------- end to end: pytest before and after
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_test_the_patch_breaks_is_named_with_its_step(tmp_path):
     src = _tree(tmp_path, ("test_shape.py", OWN_TESTS))
     row = _row(_patched(src, tmp_path / "out", old_guard=True), src)
@@ -92,7 +92,7 @@ def test_a_test_the_patch_breaks_is_named_with_its_step(tmp_path):
             "(the patch changed dflash/benchmark.py: cpu-safe-timing)") in row["evidence"]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_correct_patch_keeps_every_promise_and_a_pinned_test_is_blamed_through_its_imports(tmp_path):
     src = _tree(tmp_path, ("test_shape.py", OWN_TESTS), ("test_pinned.py", PINNED_TEST))
     row = _row(_patched(src, tmp_path / "out"), src)

@@ -61,7 +61,7 @@ def test_the_real_head_applies_with_exit_0_and_every_lossless_step_applied(patch
         assert rep.statuses.get(step) in ("applied", "fixed-upstream"), f"{name} HEAD {head}: {step} is {rep.statuses.get(step)}"
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["ddtree", "dflash"])
 def test_the_real_head_patched_verifies_lossless_on_both_hybrid_presets(patched, name):
     if name == "ddtree":  # the real DDTree imports loguru at module level (its requirements.txt)
@@ -77,7 +77,7 @@ def test_the_real_head_patched_verifies_lossless_on_both_hybrid_presets(patched,
     assert not unexercised, f"{name} HEAD {head}: no partial acceptance in {sorted(unexercised)}: the rollback never worked"
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_ci_verify_over_a_stretch_of_dflash_history_is_lossless(tmp_path):
     src = _clone("dflash", tmp_path / "dflash")
     since = subprocess.run(["git", "-C", str(src), "rev-parse", f"HEAD~{DFLASH_STRETCH}"], capture_output=True,
@@ -97,7 +97,7 @@ def test_ci_verify_over_a_stretch_of_dflash_history_is_lossless(tmp_path):
     assert head["verify"] is not None and head["verify"]["passed"], "the stretch's newest commit (HEAD) was not verified"
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_real_ddtree_is_not_failed_by_its_shortened_last_rounds(patched):
     """Budget 4 under a block of 8: DDTree's output buffer (max_length + 1 + budget) cuts its last rounds short.
     The acceptance check judges the rounds that start a block or more before the end, so the correct tree passes

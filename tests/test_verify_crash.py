@@ -222,7 +222,7 @@ def test_the_cli_names_a_fresh_childs_signal(suicidal):
     assert "peak RSS" in lines[-1], lines[-1]
 
 
-def test_a_forked_child_says_its_status_is_unknown(suicidal):
+def test_a_forked_child_says_its_status_is_unknown(suicidal, warm_server):
     with runner.warm_verifier():
         with pytest.raises(VerifierCrash) as info:
             runner.run_verify(suicidal, timeout=120)

@@ -51,7 +51,7 @@ def edit(tree: Path, rel: str, old: str, new: str) -> Path:
     return tree
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_every_drafter_class_runs_and_dflash2s_anchor_is_read(tmp_path):
     from drift.variants import VARIANTS
 
@@ -72,7 +72,7 @@ def test_every_drafter_class_runs_and_dflash2s_anchor_is_read(tmp_path):
     assert code == 1 and not row["passed"] and "anchor differs" in row["evidence"], row["evidence"]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_decoder_that_takes_a_temperature_is_verified_sampled_by_default(tmp_path):
     good = apply(ROOT / "vendored" / "dflash", tmp_path / "good")
     code, payload = verify(good)
@@ -88,7 +88,7 @@ def test_a_decoder_that_takes_a_temperature_is_verified_sampled_by_default(tmp_p
         "the sampled pass sees a rollback bug through the logits of every committed row"
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_deliberate_drafter_input_is_a_finding_blamed_on_no_step_until_reviewed(tmp_path):
     tree = apply(ROOT / "vendored" / "dflash", tmp_path / "seeded")
     # the fork seeds the mask positions with the committed token instead of the mask id (a design of its own)
@@ -105,7 +105,7 @@ def test_a_deliberate_drafter_input_is_a_finding_blamed_on_no_step_until_reviewe
     assert code == 0 and row["passed"] and "reviewed deliberate difference (noise)" in row["evidence"], row["evidence"]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_an_unpatched_tree_names_its_first_real_failure_beside_the_timing_one():
     code, payload = verify(ROOT / "vendored" / "dflash", "--greedy-only")
     row = checks_of(payload)[("tiny-qwen3_5", "warms up")]
@@ -115,7 +115,7 @@ def test_an_unpatched_tree_names_its_first_real_failure_beside_the_timing_one():
     assert "cpu-safe-timing" not in then["hint"], "the next failure is the code's own, with its own step"
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_shortened_last_block_is_not_failed_and_a_tree_built_wrong_fails_the_default_verify(tmp_path):
     """DFlash's newest shortens its last block; the acceptance check judges the rounds before it (the old floor, which
     assumed whole last blocks, failed the correct tree: 3.10 < 3.40). A tree built with one node fewer than its budget

@@ -16,10 +16,9 @@ import stat
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from cli_support import run
 
 from patcher.engine import files as engine
-from patcher.cli import main
 from patcher.engine.files import atomic_write, decode_source, newline_of, write_provenance
 
 TIMING = "import torch\n\n\ndef timed():\n    torch.cuda.synchronize()\n"
@@ -27,13 +26,7 @@ GUARD = "    if torch.cuda.is_available():\n        torch.cuda.synchronize()\n"
 ONE_STEP = ["--recipe", "qwen3_6-gdn", "--select", "cpu-safe-timing", "-j", "1"]
 
 
-@pytest.fixture(autouse=True)
-def _journal_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("DDPATCH_HOME", str(tmp_path / "home"))
-
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+pytestmark = pytest.mark.usefixtures("journal_home")  # DDPATCH_HOME in the test's tmp_path (tests/conftest.py)
 
 
 # ----------------------------------------------------------------------------- a fault inside a write
