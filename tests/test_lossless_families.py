@@ -11,6 +11,7 @@ the families of the reported bugs (slow).
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -62,6 +63,15 @@ def test_the_docs_check_fails_when_a_cell_is_edited(tmp_path, monkeypatch):
 SHIPPED = [mt for mt in lf.FAMILIES if lf.shipped(mt)]
 
 
+#: a figure in a refusal's reason (``1.2``, ``1.9e+06x``, ``6e-07``): measured on this machine's CPU kernels, so it moves
+#: between machines with the same torch (the noise floor is 6e-07 on one CPU and 7e-07 on another); the words stay
+FIGURE = re.compile(r"\d+(\.\d+)?(e[+-]?\d+)?")
+
+
+def _words(reason: str | None) -> str | None:
+    return None if reason is None else FIGURE.sub("#", reason)
+
+
 def _check_shape(model_type: str, shape: str, modes) -> None:
     from patcher import runtime as rt
     from patcher.lossless import lossless
@@ -71,7 +81,7 @@ def _check_shape(model_type: str, shape: str, modes) -> None:
     live = lm.run_shape(model_type, shape, modes=modes)
     same = _same_torch()
     if same or recorded["verdict"] not in ("served", "refused"):
-        assert (live["verdict"], live.get("reason")) == (recorded["verdict"], recorded.get("reason")), live
+        assert (live["verdict"], _words(live.get("reason"))) == (recorded["verdict"], _words(recorded.get("reason"))), live
     else:
         assert live["verdict"] in ("served", "refused"), live
     if live["verdict"] == "served":
@@ -84,7 +94,7 @@ def _check_shape(model_type: str, shape: str, modes) -> None:
             with lossless(model):
                 pass
         line = str(err.value)
-        assert "\n" not in line and line.startswith("ddpatch: ") and (not same or line == recorded["reason"])
+        assert "\n" not in line and line.startswith("ddpatch: ") and (not same or _words(line) == _words(recorded["reason"]))
         assert "forward" not in vars(model), "a refused model was left with the recording forward"
 
 

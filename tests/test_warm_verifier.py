@@ -398,7 +398,7 @@ def _kill_groups(proc: subprocess.Popen, *groups: int) -> None:
 def test_the_sessions_warm_verifier_never_idles_out(warm_server):
     """A worker can go longer than ``DDPATCH_WARM_IDLE``'s default 15 minutes between two verifies: the
     session's server, had it idled out, left the later tests that assert a fork a missing socket."""
-    from patcher.verify.process import warm
+    from patcher.verify.child import warm
 
     server = _server_of(warm_server, os.getpid())
     environ = dict(item.split("=", 1) for item in Path(f"/proc/{server}/environ").read_text().split("\0") if "=" in item)

@@ -17,7 +17,8 @@ import contextlib
 import os
 import socket
 
-from patcher.verify.process import runner, warm
+from patcher.verify.child import warm
+from patcher.verify.process import runner
 
 
 def reachable(path: str | None) -> bool:
