@@ -9,7 +9,7 @@ import functools
 import inspect
 import re
 import weakref
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 

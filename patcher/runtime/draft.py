@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import inspect
 import weakref
+from typing import Any
 
 import torch
 

@@ -42,7 +42,7 @@ import functools
 import inspect
 import threading
 import weakref
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
