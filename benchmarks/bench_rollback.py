@@ -268,6 +268,38 @@ def bench_tree(model, prompt, n_nodes, max_depth, timer, repeats, rng, vocab, ge
     return results
 
 
+def _layer_variants(chunk, recurrent, n_k, n_v, tokens, a, device):
+    """One layer's tensors and its ways to commit ``a`` of ``tokens`` verified tokens (each a call timed alone)."""
+    d = 128
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, tokens, n_k, d, generator=gen).to(device) for _ in range(2))
+    v = torch.randn(1, tokens, n_v, d, generator=gen).to(device)
+    g = (-torch.rand(1, tokens, n_v, generator=gen) * 0.1).to(device)
+    b = torch.rand(1, tokens, n_v, generator=gen).to(device)
+    s0 = (torch.randn(1, n_v, d, d, generator=gen) * 0.1).to(device)
+    kw = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
+    pre = [x[:, :a] for x in (q, k, v, g, b)]
+    causal = torch.ones(a, a, dtype=torch.bool, device=device).tril()
+
+    def closed():
+        _, kk, u, G = rt._delta_rule(pre[1], pre[2], pre[3], pre[4], s0, causal, l2norm=True)
+        return rt._closed_form_state(kk, u, G, s0, torch.arange(a, device=device))
+
+    variants = {
+        f"the verify's kernel on {tokens} tokens (torch fallback, padded to 64)":
+            lambda: chunk(q, k, v, g=g, beta=b, initial_state=s0, **kw),
+        f"replay: the module's kernel, one chunk of {a}":
+            lambda: chunk(*pre[:3], g=pre[3], beta=pre[4], initial_state=s0, chunk_size=a, **kw),
+        "replay: the module's kernel, padded to 64 (its default)":
+            lambda: chunk(*pre[:3], g=pre[3], beta=pre[4], initial_state=s0, **kw),
+        "replay: token by token (recurrent kernel)":
+            lambda: recurrent(*pre[:3], g=pre[3], beta=pre[4], initial_state=s0, **kw),
+        "replay: closed form incl. solving the prefix (runtime 'closed')": closed,
+        f"store a state per token ({tokens} copies, a lower bound)": lambda: [s0.clone() for _ in range(tokens)],
+    }
+    return variants, closed, s0, pre, kw
+
+
 def commit_variants(timer, repeats, device, log, tokens=16, kept=8):
     """One GDN layer's ways to commit 8 of 16 verified tokens (mid and Qwen3.6-27B head counts)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
@@ -277,33 +309,7 @@ def commit_variants(timer, repeats, device, log, tokens=16, kept=8):
     a = kept
     table = {}
     for label, n_k, n_v in (("mid (16 heads)", 8, 16), ("Qwen3.6-27B (48 heads)", 16, 48)):
-        d = 128
-        gen = torch.Generator().manual_seed(0)
-        q, k = (torch.randn(1, tokens, n_k, d, generator=gen).to(device) for _ in range(2))
-        v = torch.randn(1, tokens, n_v, d, generator=gen).to(device)
-        g = (-torch.rand(1, tokens, n_v, generator=gen) * 0.1).to(device)
-        b = torch.rand(1, tokens, n_v, generator=gen).to(device)
-        s0 = (torch.randn(1, n_v, d, d, generator=gen) * 0.1).to(device)
-        kw = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
-        pre = [x[:, :a] for x in (q, k, v, g, b)]
-        causal = torch.ones(a, a, dtype=torch.bool, device=device).tril()
-
-        def closed():
-            _, kk, u, G = rt._delta_rule(pre[1], pre[2], pre[3], pre[4], s0, causal, l2norm=True)
-            return rt._closed_form_state(kk, u, G, s0, torch.arange(a, device=device))
-
-        variants = {
-            f"the verify's kernel on {tokens} tokens (torch fallback, padded to 64)":
-                lambda: chunk(q, k, v, g=g, beta=b, initial_state=s0, **kw),
-            f"replay: the module's kernel, one chunk of {a}":
-                lambda: chunk(*pre[:3], g=pre[3], beta=pre[4], initial_state=s0, chunk_size=a, **kw),
-            "replay: the module's kernel, padded to 64 (its default)":
-                lambda: chunk(*pre[:3], g=pre[3], beta=pre[4], initial_state=s0, **kw),
-            "replay: token by token (recurrent kernel)":
-                lambda: recurrent(*pre[:3], g=pre[3], beta=pre[4], initial_state=s0, **kw),
-            "replay: closed form incl. solving the prefix (runtime 'closed')": closed,
-            f"store a state per token ({tokens} copies, a lower bound)": lambda: [s0.clone() for _ in range(tokens)],
-        }
+        variants, closed, s0, pre, kw = _layer_variants(chunk, recurrent, n_k, n_v, tokens, a, device)
         times = timer.median_ms({n: (lambda _state, f=f: f()) for n, f in variants.items()}, lambda: None, repeats)
         reference = chunk(*pre[:3], g=pre[3], beta=pre[4], initial_state=s0, chunk_size=a, **kw)[1]
         error = float((closed() - reference).abs().max())

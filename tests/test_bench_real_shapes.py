@@ -61,7 +61,6 @@ def test_the_judged_profile_checks_its_options_as_verify_does(bench, tmp_path):
 @pytest.fixture(scope="module")
 def copy_pair(tmp_path_factory):
     """``real_shapes_copy_pair`` at small sizes (hidden 512, vocab 4,096): seconds, not the real 8 GB."""
-    import torch
 
     spec = importlib.util.spec_from_file_location("real_shapes_copy_pair", ROOT / "benchmarks" / "real_shapes_copy_pair.py")
     pair = importlib.util.module_from_spec(spec)

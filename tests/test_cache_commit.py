@@ -50,7 +50,7 @@ def assert_lossless(m, cache, prompt, kept):
     assert cache.get_seq_length() == ref.get_seq_length()
     for (name, a), (_, b) in zip(state(cache), state(ref), strict=True):
         assert a.shape == b.shape, (name, a.shape, b.shape)
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda msg: f"{name}: {msg}")
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda msg, name=name: f"{name}: {msg}")
     torch.testing.assert_close(next_logits(m, cache), next_logits(m, ref), atol=ATOL, rtol=RTOL)
 
 

@@ -85,7 +85,7 @@ def assert_lossless(m, cache, prompt, accepted, next_token=True):
     assert [n for n, _ in got] == [n for n, _ in want]
     for (name, a), (_, b) in zip(got, want):
         assert a.shape == b.shape, (name, a.shape, b.shape)
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda msg: f"{name}: {msg}")
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda msg, name=name: f"{name}: {msg}")
     if not next_token:
         return
     tok = torch.tensor([[5]])
@@ -257,7 +257,6 @@ def test_one_pass_tree_more_presets(monkeypatch, name, prompt_len, tree, seed):
 
 def test_deep_bushy_tree_then_chain(monkeypatch):
     """64 nodes (deeper than the conv window, several branches per depth), then a chain round."""
-    m = model("tiny-qwen3_5")
     gen = torch.Generator().manual_seed(11)
     parents = [-1] + [int(torch.randint(max(0, i - 5), i, (1,), generator=gen)) for i in range(1, 64)]
     check_tree(monkeypatch, "tiny-qwen3_5", "auto", 5, parents, max(range(64), key=lambda i: depths(parents)[i]), 4,

@@ -112,7 +112,6 @@ REFUSES = CLASS_STATEFUL and "not supported with stateful" in __import__(
 def test_the_stateful_flag_is_what_this_release_says_it_is():
     """The per-release facts the other tests branch on: a release that refuses has the flag on the class, one
     that runs the modes has no flag at all (nothing for ``lossless`` to shadow)."""
-    import transformers
 
     source = __import__("inspect").getsource(__import__("transformers.generation.utils", fromlist=["x"]))
     if REFUSES:

@@ -63,7 +63,7 @@ def _cases(count=300, seed=7):
 
 
 def test_the_door_walks_as_the_referee_and_as_upstream_do():
-    for n, reachable, stop_at, at in _cases():
+    for n, _reachable, stop_at, at in _cases():
         assert walk(at, n, stop_at, engine=True) == _engine_walk(at, n, stop_at)
         assert walk(at, n, stop_at) == _upstream_walk(at, n, stop_at)
 

@@ -148,7 +148,7 @@ def test_the_floor_is_measured_on_the_shipped_weights_and_prompts_and_says_how()
     assert st["dtype"] == "float32" and st["block_size"] == 8 and {8, 16, 32} <= set(st["budgets"]) and st["max_new_tokens"] >= 64
     assert data["epsilon"]["logits"] == pytest.approx(data["epsilon"]["output_tolerance"] * data["epsilon"]["lm_head_max_row_l1"])
     for p in data["prompts"]:
-        for m, e in p["methods"].items():
+        for e in p["methods"].values():
             assert len(e["at"]) == len(e["reachable"]) == st["max_new_tokens"] and all(a in r for a, r in zip(e["at"], e["reachable"]))
     # the held-out prompts are no training data: they come from held-out files (metadata says which share)
     assert "held out" in meta["corpus"]

@@ -195,4 +195,4 @@ def test_the_ci_step_passes_since_only_when_there_is_one(tmp_path, since, expect
     assert proc.returncode == 1 and output.read_text() == "exit_code=1\n"  # ddpatch's exit status is the step's
     assert args[:7] == ["ci", "--recipe", "qwen3_6-gdn", "--upstream", "ddtree", "--repo", f"{tmp_path}/ddtree.git"]
     assert [a for a in args if a.startswith("--since")] == expected
-    assert f"reports/ddtree.junit.xml" in args and (tmp_path / "reports" / "ddtree.txt").exists()
+    assert "reports/ddtree.junit.xml" in args and (tmp_path / "reports" / "ddtree.txt").exists()

@@ -234,7 +234,7 @@ def _transform(text: str, steps: list[tuple[StepSpec, type]], in_package: bool) 
     new = insert_imports(new, context.scratch.get(AddImportsVisitor.CONTEXT_KEY, []), in_package)
     sites: list[Site] = []
     needs_runtime = False
-    for (spec, cls), step in zip(steps, instances):
+    for (spec, _cls), step in zip(steps, instances):
         if step.USES_RUNTIME and any(s.status in (APPLIED, PATCHED) for s in step.sites):  # a step may say per file
             needs_runtime = True
         for site in step.sites:

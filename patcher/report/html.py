@@ -110,7 +110,7 @@ def acceptance_svg(methods: list[dict], checks: list[dict] | None = None) -> str
                              f'<text x="{x + bar / 2}" y="{head + plot_h - bh - 3:.1f}" font-size="9" text-anchor="middle">{v}</text>')
             parts.append(f'<text x="{x + bar / 2}" y="{head + plot_h + 12}" font-size="9" text-anchor="middle">{k}</text>')
 
-        def mark(value, stroke, label):
+        def mark(value, stroke, label, x0=x0):  # x0: this method's panel (bound now, not the loop's last)
             xm = x0 + gap + (value - 0.5) * (bar + gap)
             return (f'<line x1="{xm:.1f}" x2="{xm:.1f}" y1="{head}" y2="{head + plot_h}" stroke="{stroke}" stroke-dasharray="4,2">'
                     f'<title>{label}</title></line>')
@@ -198,7 +198,7 @@ def budgets_svg(checks: list[Check]) -> str:
             parts.append(f'<polyline points="{" ".join(f"{a:.1f},{b:.1f}" for a, b in pts)}" fill="none" stroke="{colour}" '
                          f'stroke-dasharray="{dash}"/>')
         parts += [f'<circle cx="{a:.1f}" cy="{b:.1f}" r="3" fill="{colour}"/>' for a, b in pts]
-    for i, (budget, c) in enumerate(trees):
+    for i, (budget, _c) in enumerate(trees):
         parts.append(f'<text x="{x(i):.1f}" y="{head + plot_h + 12}" font-size="9" text-anchor="middle">{budget}</text>')
     parts.append(f'<text x="{left}" y="{head + plot_h + 28}" font-size="10">mean tokens per judged round by tree budget: the '
                  "tree (blue), a correct DDTree with this pair (grey), DFlash (orange)</text></svg>")

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 RECIPE = ["--recipe", "qwen3_6-gdn"]
-from patcher.results import EXIT_FAILED as EXIT_NO_MATCH  # noqa: E402  (apply/check found a site they cannot patch)
 PRESETS = ["--preset", "tiny-qwen3_5", "--preset", "tiny-qwen3_5-vlm"]
 # small but still sensitive: a patch that leaves the recurrent state uncommitted (native crops
 # without verify_forward) diverged at new token 12-13 here, and the code-shape-only patch within

@@ -155,7 +155,7 @@ def decode_unpatched(root: Path, base: str, seed: int = 0) -> dict[str, tuple[li
                     torch.manual_seed(seed + 1)
                     draft = sub(draft_config(target, sub.config_class, num_layers=2, block_size=BLOCK, sliding_window=16)).eval()
                     args = (draft, target, prompt, NEW_TOKENS, None, 0.0, BLOCK, MASK_TOKEN_ID)
-                    scripted(f"dflash:{sub.__name__}", lambda: dflash_mod.dflash_generate(*args))
+                    scripted(f"dflash:{sub.__name__}", lambda args=args: dflash_mod.dflash_generate(*args))
             return runs
     finally:
         torch.set_num_threads(before)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import ast
 import re
+from typing import Protocol
+
 import libcst as cst
 
 from .base import CACHE_KEYWORDS, RUNTIME_MODULE, ast_dotted, ast_nodes, dotted
@@ -27,6 +29,14 @@ _DEF = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)", re.M)
 _BARE_CACHE = re.compile(r"DynamicCache\(\s*\)")
 _CAUSAL_LM = re.compile(r"(ForCausalLM|ForConditionalGeneration|^AutoModelForImageTextToText)$")
 
+
+
+class Fn(Protocol):
+    """What these helpers read of a function's flow (``flow.Fn``, which imports this module: no import back)."""
+
+    params: list[str]
+    kwonly: list[str]
+    assigns: dict[str, list[cst.BaseExpression]]
 
 # ----------------------------------------------------------------------------- names that hold a model
 def _loaded(fn: "Fn", name: str) -> list[str]:

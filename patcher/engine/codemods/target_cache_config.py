@@ -402,7 +402,6 @@ class TargetCacheConfig(Step):
             self.marks.append((call, NO_MATCH, f"target cache built with a config that is {why}: `{code(call)}`", fn))
 
     def _draft(self, flow: ModuleFlow, call: cst.Call, uses: list[_Use]) -> None:
-        fn = uses[0].fn.name
         if self._factory_of(call) is not None:
             return self._through_factory(flow, call, uses, self._factory_of(call), target=False)
         bad = [a for a in call.args if any(TARGET in self._reads(flow, u, a) for u in uses)]

@@ -286,7 +286,7 @@ class DecodeLoop:
                 err = error_summary(exc)
                 env = environment_failure(exc)
                 if env is not None:
-                    err["then"] = retried_without(env, lambda: self.decode(method, short, short_reference, seed=-1, judge=False))
+                    err["then"] = retried_without(env, lambda m=method: self.decode(m, short, short_reference, seed=-1, judge=False))
                 failed[method.name] = (method, err)
         rows = warm_rows(self.methods, failed)
         self.methods = [m for m in self.methods if m.name not in failed]

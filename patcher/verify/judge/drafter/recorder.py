@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..calibration import MULTIPLE, ulp_of
 from ..logits import BackboneCalls, cache_given
