@@ -326,7 +326,8 @@ def _prompts_options(prompts_file: str | Path, options: dict) -> dict:
 # ----------------------------------------------------------------------------- referee
 def referee(engine: str, target: str | Path, draft: str | Path, *, prompts_file: str | Path | None = None, prompts: int | None = None,
             max_new_tokens: int = 64, budgets=(8, 16), kind: str | None = None, engine_api: str | None = None,
-            dtype: str = "float32", timeout: float = 120.0, progress: Callable[[str], None] | None = None) -> Refereed:
+            dtype: str = "float32", timeout: float = 120.0, progress: Callable[[str], None] | None = None,
+            engine_dtype: str | None = None) -> Refereed:
     """A running engine's speculative decoding beside ddpatch's from-scratch reference, the same pair on the same prompts
     (``patcher.referee.run``). Bad input (an engine that does not answer or reports no counters, a pair whose tokenizer is
     not the engine's, a prompt over the context, a bad folder or prompts file) raises one of ``INPUT_ERRORS``."""
@@ -345,7 +346,7 @@ def referee(engine: str, target: str | Path, draft: str | Path, *, prompts_file:
         records, source = read["prompt_records"], read["prompts_source"]
     result = run(engine, str(Path(target).expanduser().resolve()), str(Path(draft).expanduser().resolve()), records=records,
                  source=source, prompts=prompts, max_new_tokens=max_new_tokens, budgets=tuple(budgets), kind=kind, api=engine_api,
-                 dtype=dtype, timeout_s=timeout, progress=progress)
+                 dtype=dtype, timeout_s=timeout, progress=progress, engine_dtype=engine_dtype)
     return Refereed(result)
 
 

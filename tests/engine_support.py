@@ -259,16 +259,18 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def serve(llama: Llama, target: Path, draft: Path | None, *, n_max: int | None = TRAINED_N_MAX,
-          extra: tuple[str, ...] = (), log_dir: Path | None = None, threads: int = 2, env: dict | None = None):
+          extra: tuple[str, ...] = (), log_dir: Path | None = None, threads: int = 2, env: dict | None = None,
+          metrics: bool = True):
     """llama-server with ``target`` (and the DFlash ``draft``; ``n_max`` None: the server's default) on
-    127.0.0.1; yields a ``Server``. The process group is stopped on every way out of the block."""
+    127.0.0.1; yields a ``Server``. ``metrics`` False: without ``--metrics``, as llama-server starts by default.
+    The process group is stopped on every way out of the block."""
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="llama-server-"))
     for attempt in range(3):  # a port taken between free_port() and the bind: another one
         port = free_port()
         log = log_dir / f"llama-server-{port}.log"
         cmd = [str(llama.server), "-m", str(target), "--host", "127.0.0.1", "--port", str(port),
                "--temp", "0", "--top-k", "1", "-np", "1", "-c", "1024", "-t", str(threads), "-tb", str(threads),
-               "--metrics", "--no-webui", "--no-warmup", *extra]
+               *(["--metrics"] if metrics else []), "--no-webui", "--no-warmup", *extra]
         if draft is not None:
             cmd += ["-md", str(draft), "--spec-type", "draft-dflash"]
             if n_max is not None:

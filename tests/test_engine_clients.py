@@ -230,6 +230,31 @@ def test_llamacpp_rounds_are_derived_and_say_so_when_metrics_cannot_count_them(b
     assert acc.rounds == 64 - 1 - 49 and not acc.rounds_exact and not acc.exact
     assert any(why in note for note in acc.notes + answer.notes), acc.notes + answer.notes
     assert any("derived" in note for note in acc.notes)
+    assert acc.rounds_range == (13, 14) and acc.span == (49, 49, 13, 14)  # a plain last step: one round fewer
+
+
+def test_llamacpp_rounds_derived_after_a_stop_token_may_be_more_by_the_accepted_drafts():
+    from patcher.referee.counters import llamacpp_acceptance
+
+    acc = llamacpp_acceptance({"draft_n": 30, "draft_n_accepted": 20, "predicted_n": 25}, stopped=True)
+    assert acc.rounds == 4 and acc.rounds_range == (3, 24)  # a stop may hide up to the last round's accepted drafts
+
+
+@pytest.mark.parametrize("ftype, dtype, quantized", [("F32", "float32", None), ("BF16", "bfloat16", None),
+                                                      ("F16", "float16", None), ("Q4_K - Medium", None, "Q4_K - Medium")])
+def test_the_engines_dtype_is_read_where_it_says(ftype, dtype, quantized):
+    props = js("llamacpp/props.json")
+    props["model_ftype"] = ftype
+    with Replay({**LLAMA, ("GET", "/props"): json.dumps(props).encode()}) as r:
+        info = engines.connect(r.url).info()
+    assert (info.dtype, info.quantized) == (dtype, quantized)
+    assert info.dtype_source == ("/props model_ftype" if dtype else None)
+    labelled = recorded("vllm/metrics_after.txt") + b'vllm:model_config_info{dtype="torch.bfloat16",engine="0"} 1.0\n'
+    with Replay({**VLLM, ("GET", "/metrics"): labelled}) as r:
+        assert engines.connect(r.url).info().dtype == "bfloat16"
+    with Replay(VLLM) as r:
+        assert engines.connect(r.url).info().dtype is None  # it does not say: --engine-dtype does
+    assert engines.dtype_name("torch.float16") == "float16" and engines.dtype_name("auto") is None
 
 
 def test_llamacpp_without_speculative_decoding_says_how_to_turn_it_on():

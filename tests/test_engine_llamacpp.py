@@ -268,6 +268,19 @@ def test_the_referee_finds_the_correct_engine_exact_at_a_correct_dflashs_accepta
 
 
 @pytest.mark.slow
+def test_the_referee_passes_the_correct_engine_at_llama_servers_defaults_where_the_rounds_are_derived(llama, pair, tmp_path_factory):
+    """Issue 50: without --metrics the rounds are derived (one too many after a plain last step); the accepted tokens are
+    counted, so the verdict holds for every round count the derivation allows: PASS, naming the derived prompts."""
+    code, result = referee(llama, *pair, tmp_path_factory, n_max=8, metrics=False)
+    v = result["verdict"]
+    assert code == 0 and v["kind"] == "exact", v
+    assert v["derived"] == [row["prompt"] for row in result["per_prompt"]] and "llama-server --metrics" in v["line"], v
+    for row in result["per_prompt"]:
+        assert row["identical"] and not row["acceptance"]["exact"] and row["judged_by"] == "accepted", row
+        assert row["accepted_reference"][0] - 1 <= row["span"][0] <= row["accepted_reference"][1] + 1, row  # one token: LAST_ROUND_SLACK
+
+
+@pytest.mark.slow
 def test_the_referee_reports_a_drafter_read_at_the_wrong_layers_with_its_figures(llama, pair, layers, tmp_path_factory):
     code, result = referee(llama, pair[0], layers([7, 5, 2]), tmp_path_factory)
     v = result["verdict"]

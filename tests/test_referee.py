@@ -132,3 +132,195 @@ def test_prompts_above_and_below_a_correct_dflash_say_the_drafter_is_fed_otherwi
     v = verdict(rows, "llama.cpp")
     assert not v["passed"] and v["kind"] == "differs", v
     assert "1 of 2 prompts below their floor (prompt 0: 2.20 < 3.75), 1 above what a correct DFlash reaches (prompt 1: 15.00" in v["line"]
+
+
+# ----------------------------------------------------------------------------- counts the engine derives (issue 50)
+def measured_case():
+    """llama-server at its defaults, prompt 3 as measured: 54 accepted drafts in 8 rounds, then one plain step (one token
+    left: no draft), 64 new tokens; without --metrics the rounds are derived as 64 - 1 - 54 = 9."""
+    from patcher.referee.counters import llamacpp_acceptance
+
+    at = [8] * 64
+    at[56] = 6  # the reference: 7 rounds of 8 tokens, one of 6, then the last token alone
+    ref = PromptReference(ids=[1, 2, 3], greedy=list(range(100, 164)), stop_at=None,
+                          methods={"dflash": {"at": at, "reachable": [[x] for x in at]}, "ddtree_tb8": {"at": at, "reachable": [[x] for x in at]}})
+    return ref, llamacpp_acceptance({"draft_n": 62, "draft_n_accepted": 54, "predicted_n": 64})
+
+
+def derived_answer(ref, acc) -> EngineAnswer:
+    return EngineAnswer(engine="llama.cpp", api="/completion", output_ids=list(ref.greedy), text="", finish="limit",
+                        prompt_tokens=3, counters={}, acceptance=acc)
+
+
+def test_rounds_derived_one_too_many_are_judged_by_the_counted_accepted_tokens():
+    ref, acc = measured_case()
+    assert (acc.rounds, acc.rounds_range, acc.exact) == (9, (8, 9), False)
+    rows = [judge_prompt(3, ref, derived_answer(ref, acc), 64, [8])]
+    assert rows[0]["reference"] == pytest.approx(7.75) and rows[0]["engine"] == pytest.approx(7.0)  # the figure the old verdict failed
+    v = verdict(rows, "llama.cpp")
+    assert v["passed"] and v["kind"] == "exact", v
+    assert rows[0]["judged_by"] == "accepted" and rows[0]["accepted_reference"] == [54, 54]
+    assert "counts derived on prompt(s) 3" in v["line"] and "llama-server --metrics" in v["line"], v["line"]
+    assert v["engine_range"] == [pytest.approx(7.0), pytest.approx(7.75)] and v["derived"] == [3]
+
+
+def test_rounds_derived_still_fail_an_engine_that_accepts_fewer_drafts():
+    from patcher.referee.counters import llamacpp_acceptance
+
+    ref, _ = measured_case()
+    acc = llamacpp_acceptance({"draft_n": 120, "draft_n_accepted": 40, "predicted_n": 64})
+    v = verdict([judge_prompt(3, ref, derived_answer(ref, acc), 64, [8])], "llama.cpp")
+    assert not v["passed"] and v["kind"] == "loses acceptance", v
+    assert "prompt 3: 40 accepted < the fewest a correct DFlash accepts, 54 (rounds derived" in v["line"], v["line"]
+
+
+def test_accepted_tokens_derived_across_the_floor_are_inconclusive_and_name_what_counts_them():
+    ref, _ = measured_case()
+    acc = Acceptance(accepted=54, rounds=8, rounds_exact=True, accepted_exact=False, accepted_range=(50, 54), source="test")
+    rows = [judge_prompt(0, ref, derived_answer(ref, acc), 64, [8])]
+    v = verdict(rows, "sglang")
+    assert not v["passed"] and v["kind"] == "inconclusive" and rows[0]["counts"] == "undecided", v
+    assert "prompt 0: its derived counts give 7.25 to 7.75 tokens a round, across its floor 7.75" in v["line"], v["line"]
+    assert "spec_num_correct_drafts" in v["line"]
+    acc.accepted_range = (53, 54)  # every value within one token of the floor: decided
+    assert verdict([judge_prompt(0, ref, derived_answer(ref, acc), 64, [8])], "sglang")["passed"]
+
+
+# ----------------------------------------------------------------------------- engines in their own precision (issue 50)
+V = 8
+
+
+def forced(path: list[int], prompt_len: int = 3, at: int | None = None, margin: float = 0.0, other: int = 0):
+    """Made-up teacher-forced float32 logits over the prompt and ``path``: each emitted token the argmax by 4 logits;
+    at ``at`` the token ``other`` on top by ``margin``."""
+    import torch
+
+    rows = torch.zeros(prompt_len + len(path), V)
+    for i, token in enumerate(path):
+        rows[prompt_len - 1 + i, token] = 4.0
+    if at is not None:
+        rows[prompt_len - 1 + at, other] = 4.0 + margin
+    return rows
+
+
+def tie_case(margin: float, dtype: str | None = "bfloat16", dtype_tolerance: float = 0.05):
+    from patcher.referee import ties
+
+    greedy = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 1, 2]
+    got = greedy[:5] + [0, 7, 7, 6, 6, 5, 5, 4, 4, 3, 3]  # parts at token 5, then its own sequence
+    div = ties.judge(forced(got, at=5, margin=margin, other=greedy[5]), 3, greedy, got, 0.0109, dtype=dtype,
+                     dtype_tolerance=dtype_tolerance, max_new_tokens=N)
+    ref = reference(greedy=greedy)
+    engine = answer(got, 11, 4)
+    return ref, engine, div, reference(greedy=got)
+
+
+def test_a_near_tie_in_the_engines_precision_passes_judged_along_its_own_tokens():
+    ref, engine, div, along = tie_case(0.0065)
+    assert div.kind == "near-tie" and div.margin == pytest.approx(0.0065, abs=1e-6) and "within ε" in div.reason, div
+    rows = [judge_prompt(0, ref, engine, N, [8], div, along)]
+    assert rows[0]["tokens"] == "near-tie" and rows[0]["reference_along"] == "engine"
+    v = verdict(rows, "vllm")
+    assert v["passed"] and v["kind"] == "exact" and v["near_ties"] == [0], v
+    assert "prompt 0 parts from the target's float32 greedy at token 5 at a near-tie (0 for 6" in v["line"], v["line"]
+
+
+def test_a_margin_within_the_dtypes_measured_tolerance_is_a_near_tie_and_outside_every_one_is_a_loss():
+    _, _, div, _ = tie_case(0.03)  # outside ε, inside bfloat16's measured 0.05
+    assert div.kind == "near-tie" and "bfloat16's measured tolerance" in div.reason, div
+    _, _, div, _ = tie_case(0.03, dtype="float32", dtype_tolerance=0.0)  # a float32 engine: only ε
+    assert div.kind == "loss", div
+    ref, engine, div, along = tie_case(3.0)
+    assert div.kind == "loss" and not div.ok
+    v = verdict([judge_prompt(0, ref, engine, N, [8], div, along)], "vllm")
+    assert not v["passed"] and v["kind"] == "not lossless", v
+    assert "at token 5 (prompt 0: 0 where the target takes 6: the target's margin there is 3 logits, outside every tolerance" in v["line"]
+
+
+def test_an_engine_whose_dtype_is_unknown_is_undecided_between_eps_and_bfloat16_and_names_the_flag():
+    ref, engine, div, along = tie_case(0.03, dtype=None)
+    assert div.kind == "undecided" and "--engine-dtype" in div.reason, div
+    v = verdict([judge_prompt(0, ref, engine, N, [8], div, along)], "vllm")
+    assert not v["passed"] and v["kind"] == "inconclusive" and "--engine-dtype" in v["line"], v
+    _, _, div, _ = tie_case(0.03, dtype=None)
+    from patcher.referee import ties
+
+    greedy = ref.greedy
+    quantized = ties.judge(forced(engine.output_ids, at=5, margin=0.03, other=greedy[5]), 3, greedy, engine.output_ids, 0.0109,
+                           dtype=None, dtype_tolerance=0.05, quantized="Q4_K_M", max_new_tokens=N)
+    assert quantized.kind == "undecided" and "Q4_K_M" in quantized.reason
+    assert tie_case(3.0, dtype=None)[2].kind == "loss"  # beyond even bfloat16: a loss whatever the dtype
+
+
+def test_two_logits_that_round_to_one_bfloat16_value_are_told():
+    from patcher.referee.ties import rounds_alike
+
+    assert rounds_alike(10.0, 10.0065, "bfloat16") and not rounds_alike(10.0, 10.0065, "float32")
+    assert not rounds_alike(10.0, 10.2, "bfloat16")
+
+
+# ----------------------------------------------------------------------------- the whole referee, a made-up engine
+class MadeUpEngine:
+    """An engine that decodes the shipped pair's target in float32, takes ``mode``'s token at one position of prompt 0
+    ("tie": the runner-up where the target's two best logits lie closest; "loss": the token the target likes least), and
+    continues greedily from there; its counters are a correct DFlash's along its own tokens."""
+
+    kind = "vllm"
+
+    def __init__(self, target, draft, mode: str):
+        self.target, self.draft, self.mode, self.url, self.calls = target, draft, mode, "http://made-up", 0
+
+    def info(self):
+        from patcher.referee.engines import EngineInfo
+
+        return EngineInfo("vllm", self.url, model="made-up", context_length=4096, dtype="bfloat16", dtype_source="test")
+
+    def check_tokenizer(self, text, ids):
+        pass
+
+    def generate(self, prompt, n):
+        from patcher.referee.reference import along, engine_rounds
+        from patcher.referee.ties import forward
+
+        seq, part = list(prompt), None
+        if self.calls == 0 and self.mode:
+            greedy = list(prompt)
+            for _ in range(n):
+                greedy.append(int(forward(self.target, greedy)[-1].argmax()))
+            rows = forward(self.target, greedy)[len(prompt) - 1 : -1]
+            top = rows.topk(2, dim=-1)
+            margins = (top.values[:, 0] - top.values[:, 1])[2 : n - 6]
+            part = 2 + int(margins.argmin()) if self.mode == "tie" else 3
+            pick = int(top.indices[part, 1]) if self.mode == "tie" else int(rows[part].argmin())
+            seq = greedy[: len(prompt) + part] + [pick]
+        self.calls += 1
+        while len(seq) < len(prompt) + n:
+            seq.append(int(forward(self.target, seq)[-1].argmax()))
+        got = seq[len(prompt):]
+        at = along(self.target, self.draft, list(prompt), got, [8], 0.0).methods["dflash"]["at"]
+        rounds = engine_rounds(at, n)
+        acc = Acceptance(drafted=None, accepted=sum(rounds) - len(rounds), rounds=len(rounds), rounds_exact=True, source="made up")
+        return EngineAnswer(engine="vllm", api="made-up", output_ids=got, text="", finish="length", prompt_tokens=len(prompt),
+                            counters={"part": part}, acceptance=acc)
+
+
+@pytest.mark.parametrize("mode", ["tie", "loss"])
+def test_the_referee_on_the_shipped_pair_passes_a_near_tie_and_fails_a_loss(monkeypatch, mode):
+    from patcher.referee import engines, run
+    from patcher.referee.reference import load_pair
+    from patcher.verify.models.trained import FOLDER_PRESETS
+
+    target, draft = map(str, FOLDER_PRESETS["trained-qwen3_5"])
+    engine = MadeUpEngine(*load_pair(target, draft), mode)
+    monkeypatch.setattr(engines, "connect", lambda *a, **k: engine)
+    result = run.referee("http://made-up", target, draft, prompts=2, max_new_tokens=24, budgets=(8,))
+    v, first = result["verdict"], result["per_prompt"][0]
+    assert result["engine_precision"] == {"dtype": "bfloat16", "source": "test", "quantized": None}
+    assert first["identical"] is False and first["divergence"]["at"] >= 2, first
+    if mode == "tie":
+        assert first["tokens"] == "near-tie" and first["divergence"]["margin"] <= first["divergence"]["tolerance"], first
+        assert first["reference_along"] == "engine" and first["engine"] == pytest.approx(first["reference"])
+        assert v["passed"] and v["near_ties"] == [0] and "at a near-tie" in v["line"], v
+    else:
+        assert first["tokens"] == "differs" and first["divergence"]["margin"] > 1.0, first
+        assert not v["passed"] and v["kind"] == "not lossless" and "outside every tolerance" in v["line"], v

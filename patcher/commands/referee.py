@@ -32,11 +32,15 @@ from .base import FORMAT, ints
 @click.option("--engine-api", type=click.Choice(["completion", "v1"]), default=None,
               help="llama.cpp: its own /completion (default) or the OpenAI-compatible /v1/completions.")
 @click.option("--dtype", default="float32", show_default=True, help="The dtype ddpatch's reference runs the pair in.")
+@click.option("--engine-dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
+              help="The dtype the engine computes in (default: what it says: llama.cpp's /props model_ftype, a dtype label "
+                   "in vLLM's /metrics, SGLang's server info). Where its tokens part from the target's float32 greedy, a "
+                   "margin within this dtype's measured rounding is a near-tie, not a loss.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
               help="Seconds one engine request may take.")
 @FORMAT
-def referee(engine, target, draft, prompts_file, prompts, max_new_tokens, tree_budgets, engine_kind, engine_api, dtype, timeout,
-            fmt) -> None:
+def referee(engine, target, draft, prompts_file, prompts, max_new_tokens, tree_budgets, engine_kind, engine_api, dtype,
+            engine_dtype, timeout, fmt) -> None:
     """Is the engine's acceptance right? The engine's tokens and acceptance beside ddpatch's reference.
 
     Sends each prompt to the running engine at temperature 0 (as token ids), reads its own acceptance counters
@@ -54,6 +58,7 @@ def referee(engine, target, draft, prompts_file, prompts, max_new_tokens, tree_b
     try:
         outcome = api.referee(engine, target, draft, prompts_file=prompts_file, prompts=prompts, max_new_tokens=max_new_tokens,
                               budgets=budgets, kind=engine_kind, engine_api=engine_api, dtype=dtype, timeout=timeout,
+                              **({"engine_dtype": engine_dtype} if engine_dtype else {}),
                               progress=(lambda text: click.echo(f"  {text}", err=True)) if show else None)
     except (RefereeError, *api.INPUT_ERRORS) as exc:
         sys.exit(_failed(fmt, str(exc), EXIT_ERROR))

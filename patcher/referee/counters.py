@@ -48,7 +48,8 @@ class Acceptance:
     ``drafted``: draft tokens the engine proposed, after its own clamps (llama.cpp shortens the last
     drafts to the tokens left; SGLang's figure is nominal in most versions). ``accepted``: draft tokens
     the target accepted, the bonus excluded. ``rounds``: verification forwards with a draft;
-    ``rounds_exact`` (``accepted_exact``) False when they were derived, which ``notes`` then says. ``accepted_per_position``:
+    ``rounds_exact`` (``accepted_exact``) False when they were derived, which ``notes`` then says, and ``rounds_range``
+    (``accepted_range``) the values the derivation allows: the referee judges every one of them. ``accepted_per_position``:
     item ``i`` counts the rounds that accepted at least ``i + 1`` draft tokens. ``source``: which of the
     engine's answers the counts came from."""
 
@@ -60,12 +61,24 @@ class Acceptance:
     accepted_per_position: list[int] | None = None
     source: str = ""
     notes: list[str] = field(default_factory=list)
+    #: every value a derived count may have, (lowest, highest); None where the count is exact (or absent)
+    rounds_range: tuple[int, int] | None = None
+    accepted_range: tuple[int, int] | None = None
 
     @property
     def tokens_per_round(self) -> float | None:
         if self.accepted is None or not self.rounds:
             return None
         return tokens_per_round(self.accepted, self.rounds)
+
+    @property
+    def span(self) -> tuple[int, int, int, int] | None:
+        """(accepted low, accepted high, rounds low, rounds high): every value the counts may have; None without both."""
+        if self.accepted is None or not self.rounds:
+            return None
+        a = self.accepted_range or (self.accepted, self.accepted)
+        r = self.rounds_range or (self.rounds, self.rounds)
+        return a[0], a[1], max(r[0], 1), max(r[1], 1)
 
     @property
     def exact(self) -> bool:
@@ -206,14 +219,21 @@ LLAMACPP_PER_POSITION = "llamacpp:spec_decode_num_accepted_tokens_per_pos_total"
 
 
 def llamacpp_acceptance(timings: dict, before: list[Sample] | None = None,
-                        after: list[Sample] | None = None) -> Acceptance | None:
+                        after: list[Sample] | None = None, stopped: bool = False) -> Acceptance | None:
     """One ``/completion`` answer's ``timings`` (and ``/metrics`` read around it, if the server has ``--metrics``)
     -> its acceptance; None when ``timings`` has no ``draft_n`` (the server leaves it out when nothing was drafted).
 
     ``draft_n`` and ``draft_n_accepted`` are per request. The rounds are not: they are the change of
     ``llamacpp:spec_decode_num_drafts_total`` over the request, taken when the other two counters changed by
     exactly this request's ``draft_n`` and ``draft_n_accepted`` (so nothing else ran between the reads).
-    Without it they are derived from ``predicted_n`` (see the note the result carries)."""
+    Without it they are derived from ``predicted_n`` (see the note the result carries), with the range of values that
+    derivation allows (``stopped``: the request ended at a stop token, which may have cut its last round short).
+
+    Why the range. After the prefill's token each round commits its accepted drafts and one token of the target's, and a
+    step with one token left has no draft (``get_n_draft_max``): ``predicted_n = 1 + accepted + rounds + plain`` with
+    ``plain`` 0 or 1, so the rounds are ``predicted_n - 1 - accepted`` or one fewer. ``draft_n_accepted`` counts a
+    round's accepted drafts before its tokens meet a stop token, and ``predicted_n`` stops at it: a stop may hide up to
+    the last round's accepted drafts, so the rounds may then be more, by at most the accepted drafts."""
     if "draft_n" not in timings:
         return None
     drafted, accepted = int(timings["draft_n"]), int(timings.get("draft_n_accepted", 0))
@@ -237,6 +257,7 @@ def llamacpp_acceptance(timings: dict, before: list[Sample] | None = None,
     predicted = timings.get("predicted_n")
     if predicted is not None:
         acc.rounds = max(int(predicted) - 1 - accepted, 0)
+        acc.rounds_range = (max(acc.rounds - 1, 0), acc.rounds + (accepted if stopped else 0))
         acc.notes.append("rounds derived as predicted_n - 1 - draft_n_accepted, not counted: one too many when the last"
                          " token came from a step without a draft (llama.cpp drafts nothing with one token left), and off"
                          " when a stop token cut the last round short; llama-server --metrics gives the count")

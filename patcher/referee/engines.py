@@ -50,9 +50,36 @@ class EngineInfo:
     context_length: int | None = None
     speculative: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    dtype: str | None = None  # the dtype it computes in, where it says (``ties.ENGINE_DTYPES``)
+    dtype_source: str | None = None  # where it said it
+    quantized: str | None = None  # its weights' quantized type (a GGUF's Q4_K_M...): its greedy tokens are not the target's
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+#: a GGUF's file type (llama.cpp's ``/props`` ``model_ftype``, ``llama_ftype_name``) -> the dtype it computes in
+GGUF_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+#: the dtype names an engine may print (vLLM's ``torch.bfloat16``, SGLang's ``bfloat16``, ``half``...)
+DTYPE_NAMES = {"float32": "float32", "float": "float32", "fp32": "float32", "float16": "float16", "half": "float16",
+               "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def dtype_name(value: Any) -> str | None:
+    """``torch.bfloat16``, ``bf16``, ``half``... -> one of float32, float16, bfloat16; None for anything else (``auto``)."""
+    if not isinstance(value, str):
+        return None
+    return DTYPE_NAMES.get(value.strip().lower().removeprefix("torch."))
+
+
+def metrics_dtype(samples: list[c.Sample]) -> str | None:
+    """A dtype some ``*_info`` gauge of ``/metrics`` carries in a ``dtype`` label (vLLM's config info gauges), if any."""
+    for sample in samples:
+        if sample.name.endswith("_info"):
+            found = dtype_name(dict(sample.labels).get("dtype"))
+            if found:
+                return found
+    return None
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -173,10 +200,15 @@ class LlamaCppClient(EngineClient):
         slots = self._call("/slots")
         listed = slots.json() if slots.status == 200 else None
         speculating = [s.get("speculative") for s in listed if isinstance(s, dict)] if isinstance(listed, list) else []
+        ftype = str(props.get("model_ftype") or "")
+        dtype = GGUF_DTYPES.get(ftype.upper().split(" ")[0]) if ftype else None
         return EngineInfo(LLAMACPP, self.url, model=props.get("model_alias") or props.get("model_path"),
                           context_length=settings.get("n_ctx"),
                           speculative=("on" if any(speculating) else "off") if speculating else None,
-                          details={"build_info": props.get("build_info"), "endpoint_metrics": props.get("endpoint_metrics")})
+                          details={"build_info": props.get("build_info"), "endpoint_metrics": props.get("endpoint_metrics"),
+                                   "model_ftype": ftype or None},
+                          dtype=dtype, dtype_source="/props model_ftype" if dtype else None,
+                          quantized=ftype if ftype and dtype is None else None)
 
     def tokenize(self, text: str) -> list[int]:
         data = self._ok(self._call("/tokenize", {"content": text, "add_special": False}), "/tokenize")
@@ -205,7 +237,9 @@ class LlamaCppClient(EngineClient):
         timings = data.get("timings") or full.get("timings")
         if not isinstance(timings, dict):
             raise EngineAnswerError(f"{self.url}{path} answered without timings")
-        acceptance = c.llamacpp_acceptance(timings, before, after)
+        stopped = (data.get("stop_type") if self.api == "completion" else (data.get("choices") or [{}])[0].get("finish_reason")) \
+            not in ("limit", "length", None)
+        acceptance = c.llamacpp_acceptance(timings, before, after, stopped=stopped)
         if acceptance is None:
             types = settings.get("speculative.types")
             why = (f"speculative decoding is off (speculative.types {types!r})" if types in ("none", "", None)
@@ -251,8 +285,11 @@ class VllmClient(EngineClient):
         card = self._models()[0]
         self._model = str(card.get("id"))
         version = self._call("/version")
+        metrics = self._metrics()
+        dtype = metrics_dtype(metrics) if metrics else None
         return EngineInfo(VLLM, self.url, model=self._model, context_length=card.get("max_model_len"),
-                          details={"version": version.json().get("version") if version.status == 200 else None})
+                          details={"version": version.json().get("version") if version.status == 200 else None},
+                          dtype=dtype, dtype_source="/metrics" if dtype else None)
 
     def tokenize(self, text: str) -> list[int]:
         data = self._ok(self._call("/tokenize", {"model": self.model, "prompt": text, "add_special_tokens": False}), "/tokenize")
@@ -291,7 +328,9 @@ class SglangClient(EngineClient):
         server = self._ok(self._call("/get_server_info"), "/get_server_info")
         model = self._call("/get_model_info")
         model_info = model.json() if model.status == 200 else {}
+        dtype = dtype_name(server.get("dtype"))
         return EngineInfo(SGLANG, self.url, model=model_info.get("model_path") or server.get("model_path"),
+                          dtype=dtype, dtype_source="/get_server_info dtype" if dtype else None,
                           context_length=server.get("context_length"), speculative=server.get("speculative_algorithm"),
                           details={"version": server.get("version"),
                                    "speculative_num_draft_tokens": server.get("speculative_num_draft_tokens"),

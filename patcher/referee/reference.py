@@ -64,6 +64,30 @@ def engine_floor(reachable: list[list[int]], n: int, stop_at: int | None = None,
     return (min if lowest else max)(means) if means else None
 
 
+def engine_accepted_range(reachable: list[list[int]], n: int, stop_at: int | None = None) -> tuple[int, int] | None:
+    """(fewest, most) draft tokens a decode whose round at ``s`` commits one of ``reachable[s]`` accepts in all, counted as
+    ``engine_rounds`` counts (a round commits its accepted drafts and one token of the target's, so it accepts one less
+    than it commits). What an engine whose rounds are derived but whose accepted tokens are counted is judged by: with
+    the tokens fixed, more accepted means fewer rounds, so this range says what the floor and ceiling say, exactly.
+    None: no round at all."""
+    low: dict[int, int] = {}
+    high: dict[int, int] = {}
+    for s in range(n - 1, -1, -1):
+        left = n - 1 - s
+        if left < 2:
+            low[s] = high[s] = 0
+            continue
+        lo = hi = None
+        for c in {min(x, left) for x in reachable[s]}:
+            ends = stop_at is not None and s < stop_at <= s + c
+            a, b = (c - 1, c - 1) if ends else (c - 1 + low[s + c], c - 1 + high[s + c])
+            lo, hi = (a, b) if lo is None else (min(lo, a), max(hi, b))
+        low[s], high[s] = lo, hi
+    if n - 1 < 2:
+        return None
+    return low[0], high[0]
+
+
 def load_pair(target_dir: str, draft_dir: str, dtype: str = "float32", drafter_class=None):
     """The pair as ddpatch's reference drives it: the target through transformers' auto class, the drafter through
     ``drafter_class`` (the shipped upstream-shaped DFlash by default: ``shipped_drafter_class``), offline, eval."""
@@ -123,3 +147,17 @@ def references(target, draft, prompts: list[list[int]], max_new_tokens: int, bud
         if progress is not None:
             progress(f"reference: prompt {i + 1}/{len(prompts)}")
     return out, {**eps, "block_size": block, "mask_token_id": mask}
+
+
+def along(target, draft, prompt: list[int], tokens: list[int], budgets, epsilon: float, stop_ids=()) -> PromptReference:
+    """The reference along the engine's own ``tokens`` (where they part from the target's greedy at a near-tie): at every
+    start, what a correct DFlash (and DDTree) accepts when the committed sequence is the engine's. A proposal is
+    accepted iff it equals the sequence's next token, so this is the acceptance of a correct decoder whose target took
+    the engine's side of each tie."""
+    from ..verify.judge.pair_reference import methods_for, prompt_entry
+    from ..verify.judge.reference_decode import ScratchPair
+
+    block = int(getattr(draft, "block_size", None) or draft.config.block_size)
+    pair = ScratchPair(target, draft, int(draft.mask_token_id), block)
+    entry = prompt_entry(pair, prompt, tokens, methods_for(budgets), len(tokens), epsilon, stop_ids)
+    return PromptReference(list(prompt), list(tokens), entry["stop_at"], entry["methods"])

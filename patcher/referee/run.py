@@ -17,7 +17,8 @@ from pathlib import Path
 
 from ..errors import PromptTooLong, RefereeError
 from . import engines
-from .reference import engine_floor, engine_rounds
+from .reference import engine_accepted_range, engine_floor, engine_rounds
+from .ties import check_divergences
 
 #: a probe text the engine and the target's tokenizer must split alike
 PROBE = "The referee compares tokens: 12 apples, 7 pears; def f(x):\n    return x * 2"
@@ -30,9 +31,16 @@ def _mean(xs) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-def judge_prompt(i: int, ref, answer, max_new_tokens: int, budgets) -> dict:
-    """One prompt: identity against the target's greedy tokens, and the engine's acceptance against a correct
-    DFlash's from the same starts (its mean, its floor within epsilon, and its ceiling)."""
+#: what makes each engine's counts exact where the referee had to derive them
+EXACT_FLAG = {"llama.cpp": "llama-server --metrics", "vllm": "vllm serve --per-request-spec-decode-metrics summary",
+              "sglang": "an SGLang whose meta_info counts the accepted drafts (spec_num_correct_drafts)"}
+
+
+def judge_prompt(i: int, ref, answer, max_new_tokens: int, budgets, divergence=None, along=None) -> dict:
+    """One prompt's row: identity against the target's greedy tokens (``divergence``: the target's verdict where they
+    part, ``ties.judge``), and the engine's acceptance beside a correct DFlash's from the same starts (its mean, its
+    floor within epsilon, its ceiling, and the accepted tokens it may reach), along the target's greedy or, after a
+    near-tie, along the engine's own tokens (``along``). Plain data; ``judge_counts`` and ``verdict`` judge it."""
     greedy = ref.greedy
     got = answer.output_ids
     row = {"prompt": i, "prompt_tokens": len(ref.ids), "engine_tokens": len(got) if got is not None else None,
@@ -47,78 +55,178 @@ def judge_prompt(i: int, ref, answer, max_new_tokens: int, budgets) -> dict:
         row["first_difference"] = at if at is not None else (len(got) if short else None)
         if at is not None:
             row["expected"], row["got"] = greedy[at], got[at]
-    n = len(greedy) if ref.stop_at is None else max_new_tokens
-    stop = ref.stop_at
-    chain = ref.methods["dflash"]
+    row["tokens"] = "unknown" if got is None else ("identical" if row["identical"] else "differs")
+    walk = ref
+    if divergence is not None:
+        row["divergence"] = divergence.as_dict()
+        if divergence.ok:
+            row["tokens"], walk = "near-tie", (along or ref)
+        elif divergence.kind == "undecided":
+            row["tokens"] = "undecided"
+    row["reference_along"] = "engine" if walk is not ref else "target"
+    n = len(walk.greedy) if walk.stop_at is None else max_new_tokens
+    stop = walk.stop_at
+    chain = walk.methods["dflash"]
     rounds = engine_rounds(chain["at"], n, stop)
     row["reference"] = _mean(rounds)
     row["reference_rounds"] = len(rounds)
     row["floor"] = engine_floor(chain["reachable"], n, stop)
     row["ceiling"] = engine_floor(chain["reachable"], n, stop, lowest=False)
-    row["ddtree"] = {b: _mean(engine_rounds(ref.methods[f"ddtree_tb{b}"]["at"], n, stop)) for b in budgets}
+    reach = engine_accepted_range(chain["reachable"], n, stop)
+    row["accepted_reference"] = list(reach) if reach else None
+    span = answer.acceptance.span
+    row["span"] = list(span) if span else None
+    row["engine_range"] = [1 + span[0] / span[3], 1 + span[1] / span[2]] if span else None
+    row["derived"] = span is not None and (span[0] != span[1] or span[2] != span[3])
+    row["ddtree"] = {b: _mean(engine_rounds(walk.methods[f"ddtree_tb{b}"]["at"], n, stop)) for b in budgets}
     row["room"] = any(min(r) > 1 for r in chain["reachable"][: max(0, n - 2)])
     return row
 
 
+def judge_counts(r: dict) -> str:
+    """A prompt's counts beside a correct DFlash's, for every value they may have: ``ok``, ``below`` (its floor),
+    ``above`` (its ceiling) or ``undecided`` (some values one way, some the other). Exact counts: the mean against
+    the floor and ceiling. Rounds derived, accepted tokens counted: the accepted tokens against the fewest and most a
+    correct DFlash accepts over the same tokens (exact: with the tokens fixed, fewer accepted is more rounds). Sets
+    ``judged_by``."""
+    if r["engine"] is None or r["span"] is None:
+        r["judged_by"] = None
+        return "ok"
+    a_lo, a_hi, _, _ = r["span"]
+    slack = LAST_ROUND_SLACK / max(1, r["reference_rounds"])
+    floor, ceiling = r["floor"], r["ceiling"]
+    if r["derived"] and a_lo == a_hi and r["accepted_reference"]:
+        r["judged_by"] = "accepted"
+        lo, hi = r["accepted_reference"]
+        return "below" if a_lo < lo - LAST_ROUND_SLACK else ("above" if a_lo > hi + LAST_ROUND_SLACK else "ok")
+    r["judged_by"] = "range" if r["derived"] else "mean"
+    low, high = r["engine_range"]
+    if floor is not None and high < floor - slack:
+        return "below"
+    if ceiling is not None and low > ceiling + slack:
+        return "above"
+    if (floor is None or low >= floor - slack) and (ceiling is None or high <= ceiling + slack):
+        return "ok"
+    return "undecided"
+
+
+def _fig(lo: float | None, hi: float | None) -> str:
+    if lo is None:
+        return "-"
+    return f"{lo:.2f}" if hi is None or abs(hi - lo) < 0.005 else f"{lo:.2f} to {hi:.2f}"
+
+
+def _shows(r: dict, side: str, word: str = "floor ") -> str:
+    """One prompt's figure beside its floor (``side`` "below") or ceiling ("above"), as it was judged."""
+    if r["judged_by"] == "accepted":
+        lo, hi = r["accepted_reference"]
+        bound = f"the fewest a correct DFlash accepts, {lo}" if side == "below" else f"the most a correct DFlash accepts, {hi}"
+        return (f"{r['span'][0]} accepted {'<' if side == 'below' else '>'} {bound} (rounds derived: "
+                f"{_fig(*r['engine_range'])} tokens a round)")
+    low, high = r["engine_range"] or (r["engine"], r["engine"])
+    if side == "below":
+        return f"{_fig(low, high)} < {word}{r['floor']:.2f}"
+    return f"{_fig(low, high)} > {r['ceiling']:.2f}"
+
+
+def _derived_note(rows: list[dict], engine_kind: str) -> str:
+    derived = [r for r in rows if r["derived"]]
+    if not derived:
+        return ""
+    names = ", ".join(str(r["prompt"]) for r in derived)
+    how = ("judged by their accepted tokens, which are counted, so the verdict holds for every round count the "
+           "derivation allows" if all(r.get("judged_by") == "accepted" for r in derived) else "judged for every value the "
+           "derivation allows")
+    return f"; counts derived on prompt(s) {names}, {how} ({EXACT_FLAG.get(engine_kind, 'exact counters')} counts them)"
+
+
+def gap(r: dict) -> list:
+    """A prompt's (lowest, highest) tokens a round, for every value its counts may have."""
+    return r["engine_range"] or [r["engine"]] * 2
+
+
 def verdict(rows: list[dict], engine_kind: str) -> dict:
-    """The one line, and the exit code it means: 0 the engine reaches a correct DFlash's acceptance and is exact,
-    1 a finding (not lossless, loses acceptance, counts more than a correct DFlash could) or inconclusive."""
+    """The one line, and the exit code it means: 0 the engine reaches a correct DFlash's acceptance and is exact (or
+    parts from the float32 greedy only at near-ties), 1 a finding (not lossless, loses acceptance, counts more than a
+    correct DFlash could) or inconclusive (what could not be decided, and what decides it)."""
     pooled_accepted = sum((r["acceptance"].get("accepted") or 0) for r in rows)
     pooled_rounds = sum((r["acceptance"].get("rounds") or 0) for r in rows)
     engine = 1 + pooled_accepted / pooled_rounds if pooled_rounds else None
+    spans = [r["span"] for r in rows if r.get("span")]
+    low = 1 + sum(s[0] for s in spans) / sum(s[3] for s in spans) if spans else None
+    high = 1 + sum(s[1] for s in spans) / sum(s[2] for s in spans) if spans else None
     ref_tokens = sum(r["reference"] * r["reference_rounds"] for r in rows)
     ref_rounds = sum(r["reference_rounds"] for r in rows)
     reference = ref_tokens / ref_rounds if ref_rounds else None
-    out = {"engine": engine, "reference": reference, "prompts": len(rows)}
-    differs = [r for r in rows if r["identical"] is False]
+    out = {"engine": engine, "engine_range": [low, high], "reference": reference, "prompts": len(rows),
+           "derived": [r["prompt"] for r in rows if r.get("derived")],
+           "near_ties": [r["prompt"] for r in rows if r.get("tokens") == "near-tie"]}
+    figure = _fig(low, high) if spans else _fig(engine, None)
+    note = _derived_note(rows, engine_kind)
+    differs = [r for r in rows if r.get("tokens", "differs" if r["identical"] is False else None) == "differs"]
     if differs:
         r = differs[0]
+        d = r.get("divergence")
+        why = (f": the target's margin there is {d['margin']:.4g} logits, outside every tolerance (ε {d['epsilon']:.4g}"
+               + (f", {d['dtype']}'s measured {d['dtype_tolerance']:.4g}" if d.get("dtype") and d.get("dtype_tolerance") else "")
+               + ")") if d and d.get("margin") == d.get("margin") and d.get("at") == r["first_difference"] else ""
         out.update(kind="not lossless", passed=False, line=(
             f"the engine's output differs from the target's greedy at token {r['first_difference']} (prompt {r['prompt']}"
-            + (f": {r['got']} where the target takes {r['expected']}" if "got" in r else ": it stops early")
+            + (f": {r['got']} where the target takes {r['expected']}" if "got" in r else ": it stops early") + why
             + f"; {len(differs)} of {len(rows)} prompts differ): not lossless"))
         return out
     for r in rows:
-        slack = LAST_ROUND_SLACK / max(1, r["reference_rounds"])
-        r["below"] = r["engine"] is not None and r["floor"] is not None and r["engine"] < r["floor"] - slack
-        r["above"] = r["engine"] is not None and r["ceiling"] is not None and r["engine"] > r["ceiling"] + slack
+        r["counts"] = judge_counts(r)
+        r["below"], r["above"] = r["counts"] == "below", r["counts"] == "above"
     below = [r for r in rows if r["below"]]
     above = [r for r in rows if r["above"]]
     if below and above:
-        low = min(below, key=lambda r: r["engine"] - r["floor"])
-        high = max(above, key=lambda r: r["engine"] - r["ceiling"])
+        worst_low = max(below, key=lambda r: r["floor"] - gap(r)[1])
+        worst_high = max(above, key=lambda r: gap(r)[0] - r["ceiling"])
         out.update(kind="differs", passed=False, line=(
             f"the engine's acceptance is not a correct DFlash's prompt by prompt: {len(below)} of {len(rows)} prompts below their "
-            f"floor (prompt {low['prompt']}: {low['engine']:.2f} < {low['floor']:.2f}), {len(above)} above what a correct DFlash "
-            f"reaches (prompt {high['prompt']}: {high['engine']:.2f} > {high['ceiling']:.2f}), {engine:.2f} against {reference:.2f} "
-            "overall: the drafter is fed otherwise than the reference feeds it (its context features, its block)"))
+            f"floor (prompt {worst_low['prompt']}: {_shows(worst_low, 'below', '')}), {len(above)} above what a correct DFlash "
+            f"reaches (prompt {worst_high['prompt']}: {_shows(worst_high, 'above')}), {figure} against {reference:.2f} "
+            f"overall: the drafter is fed otherwise than the reference feeds it (its context features, its block){note}"))
     elif below:
-        worst = min(below, key=lambda r: r["engine"] - r["floor"])
+        worst = max(below, key=lambda r: r["floor"] - gap(r)[1])
         out.update(kind="loses acceptance", passed=False, line=(
-            f"the engine accepts {engine:.2f} where a correct DFlash accepts {reference:.2f}: the integration loses acceptance "
-            f"({len(below)} of {len(rows)} prompts below their floor; prompt {worst['prompt']}: {worst['engine']:.2f} < floor "
-            f"{worst['floor']:.2f})"))
+            f"the engine accepts {figure} where a correct DFlash accepts {reference:.2f}: the integration loses acceptance "
+            f"({len(below)} of {len(rows)} prompts below their floor; prompt {worst['prompt']}: {_shows(worst, 'below')}){note}"))
     elif above:
-        worst = max(above, key=lambda r: r["engine"] - r["ceiling"])
+        worst = max(above, key=lambda r: gap(r)[0] - r["ceiling"])
         out.update(kind="counts more", passed=False, line=(
-            f"the engine reports {engine:.2f} tokens a round where a correct DFlash reaches at most {worst['ceiling']:.2f} on "
-            f"prompt {worst['prompt']} ({worst['engine']:.2f}): its counters count otherwise than {engine_kind}'s documented "
-            "definition, or it drafts more than the drafter's block"))
+            f"the engine reports {figure} tokens a round where a correct DFlash reaches at most {worst['ceiling']:.2f} on "
+            f"prompt {worst['prompt']} ({_shows(worst, 'above')}): its counters count otherwise than {engine_kind}'s documented "
+            f"definition, or it drafts more than the drafter's block{note}"))
+    elif any(r.get("tokens") == "undecided" or r["counts"] == "undecided" for r in rows):
+        parts = [f"prompt {r['prompt']}: parts from the target's greedy at token {r['divergence']['at']}, "
+                 f"{r['divergence']['reason']}" for r in rows if r.get("tokens") == "undecided"]
+        parts += [f"prompt {r['prompt']}: its derived counts give {_fig(*r['engine_range'])} tokens a round, across its floor "
+                  f"{r['floor']:.2f}: {EXACT_FLAG.get(engine_kind, 'exact counters')} counts them" for r in rows
+                  if r["counts"] == "undecided"]
+        out.update(kind="inconclusive", passed=False, line="inconclusive: " + "; ".join(parts))
     elif not any(r["room"] for r in rows):
         out.update(kind="inconclusive", passed=False, line=(
             "inconclusive: a correct DFlash with this drafter accepts 1 token every round on these prompts, so no loss could "
             "show: referee a trained drafter"))
     else:
+        ties = [r for r in rows if r.get("tokens") == "near-tie"]
+        tie_note = "".join(
+            f"; prompt {r['prompt']} parts from the target's float32 greedy at token {r['divergence']['at']} at a near-tie "
+            f"({r['divergence']['got']} for {r['divergence']['expected']}: {r['divergence']['reason']}), judged along the "
+            "engine's own tokens" for r in ties)
         out.update(kind="exact", passed=True, line=(
-            f"the engine reaches a correct DFlash's acceptance with this pair: the drafter is the limit (engine {engine:.2f}, "
-            f"reference {reference:.2f} tokens a round, every prompt at or above its floor)"))
+            f"the engine reaches a correct DFlash's acceptance with this pair: the drafter is the limit (engine {figure}, "
+            f"reference {reference:.2f} tokens a round, every prompt at or above its floor{tie_note}{note})"))
     return out
 
 
 def referee(engine_url: str, target: str, draft: str, *, records=None, source=None, prompts: int | None = None,
             max_new_tokens: int = 64, budgets=(8, 16), kind: str | None = None, api: str | None = None, dtype: str = "float32",
-            timeout_s: float = 120.0, progress=None) -> dict:
-    """The referee's result (plain data): the engine, per prompt and overall, and the verdict."""
+            timeout_s: float = 120.0, progress=None, engine_dtype: str | None = None) -> dict:
+    """The referee's result (plain data): the engine, per prompt and overall, and the verdict. ``engine_dtype``: the
+    dtype the engine computes in (``ties.ENGINE_DTYPES``); None: what the engine says of itself, if anything."""
     import torch  # noqa: F401  (the reference needs it: imported here, never when the CLI starts)
 
     from ..verify.judge import acceptance
@@ -155,12 +263,18 @@ def referee(engine_url: str, target: str, draft: str, *, records=None, source=No
         say(f"{info.kind}: prompt {i + 1}/{len(ids)}")
         answers.append(client.generate(p, max_new_tokens))
     refs, eps = references(tgt, drf, ids, max_new_tokens, budgets, stops, progress=say)
-    rows = [judge_prompt(i, r, a, max_new_tokens, budgets) for i, (r, a) in enumerate(zip(refs, answers))]
+    precision = {"dtype": engine_dtype or info.dtype, "source": "--engine-dtype" if engine_dtype else info.dtype_source,
+                 "quantized": None if engine_dtype else info.quantized}
+    found, walks = check_divergences(tgt, drf, refs, answers, eps["logits"], budgets, stops, max_new_tokens,
+                                     dtype=precision["dtype"], quantized=precision["quantized"],
+                                     mask_token_id=eps.get("mask_token_id"), progress=say)
+    rows = [judge_prompt(i, r, a, max_new_tokens, budgets, found[i], walks[i]) for i, (r, a) in enumerate(zip(refs, answers))]
     result = verdict(rows, info.kind)
     ddtree = {b: _mean([r["ddtree"][b] for r in rows]) for b in budgets}
     return {"engine": info.as_dict(), "target": str(Path(target)), "draft": str(Path(draft)), "prompts_made": made,
-            "max_new_tokens": max_new_tokens, "budgets": list(budgets), "epsilon": eps, "per_prompt": rows, "ddtree": ddtree,
+            "max_new_tokens": max_new_tokens, "budgets": list(budgets), "epsilon": eps, "engine_precision": precision,
+            "per_prompt": rows, "ddtree": ddtree,
             "verdict": result, "seconds": round(time.perf_counter() - started, 2)}
 
 
-__all__ = ["referee", "verdict", "judge_prompt", "RefereeError"]
+__all__ = ["RefereeError", "judge_counts", "judge_prompt", "referee", "verdict"]
