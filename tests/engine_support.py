@@ -366,12 +366,15 @@ def drafter_folder_with(draft: Path, target_layer_ids: list[int], out: Path) -> 
     return out
 
 
-def vllm_command(python: Path, target: Path, draft: Path | None, port: int, extra: tuple[str, ...] = ()) -> list[str]:
+def vllm_command(python: Path, target: Path, draft: Path | None, port: int, extra: tuple[str, ...] = (),
+                 per_request: bool = True) -> list[str]:
     """vLLM's OpenAI server as docs/engines.md starts it: bf16 (its CPU Gated DeltaNet kernel's only dtype), no prefix
     caching (DFlash reaches a GPU-only kernel with it), per-request acceptance counters, the drafter's 7 drafts."""
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--served-model-name", "target",
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "4",
-           "--enforce-eager", "--no-enable-prefix-caching", "--per-request-spec-decode-metrics", "summary", *extra]
+           "--enforce-eager", "--no-enable-prefix-caching", *extra]
+    if per_request:
+        cmd += ["--per-request-spec-decode-metrics", "summary"]
     if draft is not None:
         spec = {"method": "dflash", "model": str(draft), "num_speculative_tokens": TRAINED_N_MAX}
         cmd += ["--speculative-config", json.dumps(spec)]
@@ -379,13 +382,14 @@ def vllm_command(python: Path, target: Path, draft: Path | None, port: int, extr
 
 
 @contextlib.contextmanager
-def serve_vllm(python: Path, target: Path, draft: Path | None, *, extra: tuple[str, ...] = (), log_dir: Path | None = None):
+def serve_vllm(python: Path, target: Path, draft: Path | None, *, extra: tuple[str, ...] = (), per_request: bool = True,
+               log_dir: Path | None = None):
     """vLLM serving ``target`` (with the DFlash ``draft``) on 127.0.0.1; yields a ``Server``. The process group (the API
     server and its engine core) is stopped on every way out of the block."""
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vllm-server-"))
     port = free_port()
     log = log_dir / f"vllm-server-{port}.log"
-    cmd = vllm_command(python, target, draft, port, extra)
+    cmd = vllm_command(python, target, draft, port, extra, per_request)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
     with open(log, "wb") as out:
