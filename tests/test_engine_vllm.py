@@ -5,9 +5,9 @@ DFlash, as docs/engines.md starts it (bf16, no prefix caching, per-request count
 - the pair vLLM can load: vLLM's CPU Gated DeltaNet kernel takes head dims 64 and 128, the shipped target has
   32; ``tools/pad_linear_heads.py`` pads it, and the copy decodes the same greedy tokens (transformers,
   float32, no vLLM needed);
-- the referee on the real server: the correct engine passes, a drafter whose target layers are reversed
-  fails, and a server started with ``--disable-log-stats`` (no counters) is one ``ddpatch: error:`` line,
-  exit 2;
+- the referee on the real server: the correct engine passes, a drafter read at the wrong target layers
+  fails, and a server started with ``--disable-log-stats`` and without per-request counters (no counters
+  at all) is one ``ddpatch: error:`` line, exit 2;
 - the plumbing: each server is stopped on every way out; without the venv the tests skip saying why.
 
 Three servers start in all (75-105 s each on 2 idle cores). The figures are in docs/engines.md.
@@ -175,17 +175,19 @@ def test_the_referee_passes_the_correct_engine(correct):
 
 
 @pytest.mark.slow
-def test_the_referee_fails_a_drafter_read_at_reversed_layers(vllm_python, target64, tmp_path_factory):
-    drafter = es.drafter_folder_with(es.PAIR / "draft", [6, 4, 1], tmp_path_factory.mktemp("reversed") / "draft")
+def test_the_referee_fails_a_drafter_read_at_the_wrong_layers(vllm_python, target64, tmp_path_factory):
+    """The first three layers where the drafter was trained on [1, 4, 6]. (Reversed layers, [6, 4, 1], are no fault
+    in vLLM: its target collects the layers it is asked for in its own layer order, and the referee passes them,
+    at the correct engine's figures: docs/engines.md.)"""
+    drafter = es.drafter_folder_with(es.PAIR / "draft", [0, 1, 2], tmp_path_factory.mktemp("wrong-layers") / "draft")
     with es.serve_vllm(vllm_python, target64, drafter, log_dir=tmp_path_factory.mktemp("vllm-log")) as server:
         result = judged(referee(server.url, target64, "--format", "json"))
         log = server.log_tail(400_000)
+    assert "auxiliary layers from speculative config: (1, 2, 3)" in log  # target_layer_ids + 1: the wrong ones reached it
     v = result["verdict"]
-    assert result["exit_code"] == 1 and v["kind"] == "loses acceptance", v
+    assert result["exit_code"] == 1 and v["kind"] in ("loses acceptance", "differs"), v
     assert all(row["identical"] for row in result["per_prompt"]), "still lossless: the target verifies every token"
-    assert v["engine"] < v["reference"] - 1.0, v
-    # vLLM taps layer inputs, target_layer_ids + 1: the reversed layers reached it
-    assert "auxiliary layers from speculative config: (7, 5, 2)" in log
+    assert v["engine"] < v["reference"], v
 
 
 @pytest.mark.slow
@@ -197,10 +199,13 @@ def test_a_server_without_counters_is_one_error_line_and_every_server_stops(vllm
         with es.serve_vllm(vllm_python, target64, es.PAIR / "draft", extra=("--disable-log-stats",), per_request=False,
                            log_dir=tmp_path) as server:
             seen.append(server)
-            proc = referee(server.url, target64)
+            proc = referee(server.url, target64, "--format", "json")
             assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-            lines = proc.stderr.strip().splitlines()
-            assert len(lines) == 1 and lines[0].startswith("ddpatch: error: vllm at ") and "without --disable-log-stats" in lines[0], lines
+            errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+            assert errors == proc.stderr.strip().splitlines()[-1:], proc.stderr[-3000:]  # one line, the last
+            assert errors[0].startswith("ddpatch: error: vllm at ") and "reported no acceptance counters" in errors[0], errors
+            assert "--per-request-spec-decode-metrics" in errors[0] and "without --disable-log-stats" in errors[0], errors
+            assert json.loads(proc.stdout)["exit_code"] == 2
             raise AssertionError("a test that fails while the server runs")
     server = seen[0]
     assert server.proc.poll() is not None
