@@ -243,18 +243,28 @@ class Server:
             return ""
 
 
+def group_alive(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid`` (Linux /proc: state and group follow the name)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            state, _, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            if state != "Z" and int(group) == pgid:
+                found.append(int(stat.parent.name))
+    return found
+
+
 def _stop(proc: subprocess.Popen) -> None:
-    """The server's whole process group: SIGTERM, then SIGKILL after 10 s."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
+    """The server's whole process group: SIGTERM, then SIGKILL to what is left of it after 10 s (vLLM's engine
+    core outlives its API server by seconds, and lives on if the API server died first)."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+            os.killpg(proc.pid, sig)
+        deadline = time.monotonic() + wait
+        while (proc.poll() is None or group_alive(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if proc.poll() is not None and not group_alive(proc.pid):
+            return
 
 
 @contextlib.contextmanager
@@ -308,7 +318,6 @@ def _wait_healthy(server: Server, timeout: float = START_TIMEOUT) -> bool:
 VLLM_VERSION = "0.32.0"  # .ci/vllm-server's VERSION
 # healthy in 75-105 s on 2 idle cores; several times that on a loaded machine
 VLLM_START_TIMEOUT = float(os.environ.get("DDPATCH_VLLM_START_TIMEOUT") or 900)
-VLLM_HEAD_DIM = 64  # vLLM's CPU Gated DeltaNet kernel takes head dims 64 and 128; the shipped target has 32
 
 
 class VllmMissing(Exception):
@@ -333,17 +342,16 @@ def find_vllm() -> Path:
     return python
 
 
-def padded_target(out_root: Path, pair: Path = PAIR, head_dim: int = VLLM_HEAD_DIM) -> Path:
-    """The pair's target with its linear-attention heads zero-padded to ``head_dim`` (tools/pad_linear_heads.py),
-    made once per content under ``out_root``."""
+def padded_target(out_root: Path, pair: Path = PAIR, head_dim: int = 64) -> Path:
+    """The pair's target with its linear-attention heads zero-padded to ``head_dim`` (vLLM's CPU Gated DeltaNet
+    kernel takes 64 and 128, the shipped target has 32; tools/pad_linear_heads.py), made once under ``out_root``."""
     import importlib.util
 
     out = Path(out_root) / f"target-{files_sha256(pair / 'target')[:24]}-hd{head_dim}"
     if (out / "config.json").is_file():
         return out
     spec = importlib.util.spec_from_file_location("ddpatch_pad_linear_heads", ROOT / "tools" / "pad_linear_heads.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    spec.loader.exec_module(tool := importlib.util.module_from_spec(spec))
     work = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent if out.parent.exists() else None))
     try:
         tool.pad_checkpoint(pair / "target", work, head_dim)  # config.json written last
@@ -390,8 +398,7 @@ def serve_vllm(python: Path, target: Path, draft: Path | None, *, extra: tuple[s
     port = free_port()
     log = log_dir / f"vllm-server-{port}.log"
     cmd = vllm_command(python, target, draft, port, extra, per_request)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-           "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=log_dir,
                                 start_new_session=True, env=env)
