@@ -63,7 +63,7 @@ def text_config(config: dict) -> dict:
 
 
 def padded_tensors(tensors: dict[str, torch.Tensor], cfg: dict, new: int) -> dict[str, torch.Tensor]:
-    nv, dk, dv = cfg["linear_num_value_heads"], cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    nv, dv = cfg["linear_num_value_heads"], cfg["linear_value_head_dim"]
     out, touched = {}, 0
     for name, t in tensors.items():
         if ".linear_attn." not in name:
