@@ -63,9 +63,60 @@ class Loaded:
 
 
 def _import(tree: Path, module: str):
-    if str(tree) not in sys.path:
-        sys.path.insert(0, str(tree))
-    return importlib.import_module(module)
+    """The tree's module ``module`` (dotted from the tree's root), imported as the tree's own code imports it: a tree
+    whose root is a package (``site-packages/dflash``: its root has ``__init__.py``, its modules import each other and
+    ddpatch's runtime relatively) is imported as that package (``dflash.model``); any other tree from its root."""
+    package = root_package(tree)
+    if package is None:
+        if str(tree) not in sys.path:
+            sys.path.insert(0, str(tree))
+        return importlib.import_module(module)
+    return importlib.import_module(package if module in ("", "__init__") else f"{package}.{module}")
+
+
+def package_name(tree: Path) -> str:
+    """The name a package tree is imported under: the one its own modules import it by (``from dflash.model import``
+    in a module at its root), else its folder's name (``--out`` may name it anything: a relative import does not care),
+    else a name of ours."""
+    import re
+
+    own = {p.stem for p in tree.glob("*.py")} | {p.name for p in tree.iterdir() if (p / "__init__.py").is_file()}
+    pattern = re.compile(r"^[ \t]*(?:from|import)[ \t]+([A-Za-z_]\w*)\.(\w+)", re.M)
+    for path in sorted(tree.glob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        for name, sub in pattern.findall(text):
+            if sub in own and name not in own and name not in sys.modules and name not in sys.stdlib_module_names:
+                return name
+    return tree.name if tree.name.isidentifier() else "ddpatch_tree"
+
+
+def root_package(tree: Path) -> str | None:
+    """The package name a tree whose root has ``__init__.py`` is imported under (registered once, from the tree's
+    folder, before any installed package of that name), or None for a tree imported from its root."""
+    tree = Path(tree).resolve()
+    if not (tree / "__init__.py").is_file():
+        return None
+    if tree in _PACKAGES:
+        return _PACKAGES[tree]
+    name = package_name(tree)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, tree / "__init__.py", submodule_search_locations=[str(tree)])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    try:
+        spec.loader.exec_module(package)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    _PACKAGES[tree] = name
+    return name
+
+
+_PACKAGES: dict = {}  # a package tree's folder -> the name it was imported under
 
 
 def _resolve(module, qualname: str):

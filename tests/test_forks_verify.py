@@ -1,0 +1,104 @@
+"""Forks as verify meets them (issue 49, the verify side): a tree that is a package imports as one, parameters are
+bound by name and never guessed, two drafter classes of one name stay apart, a timeout keeps the verdicts it has, and
+what a fork adds is named first in the coverage text.
+
+The trees are small ones written here, in our own words, and z-lab's ``dflash`` 0.1.0 wheel from the package index.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from patcher.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _journal_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("DDPATCH_HOME", str(tmp_path / "home"))
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+# ----------------------------------------------------------------------------- 1. a tree that is a package
+def _wheel_cache() -> Path:
+    matrix = os.environ.get("DDPATCH_MATRIX_DIR") or os.path.join(os.environ.get("TMPDIR") or "/tmp", "ddpatch-matrix")
+    return Path(matrix) / "wheels"
+
+
+def dflash_wheel() -> Path:
+    """z-lab's ``dflash`` 0.1.0 wheel, downloaded once into the matrix cache (never installed: it pins
+    transformers==5.15.0); skips, saying why, where the package index cannot be reached."""
+    cache = _wheel_cache()
+    found = sorted(cache.glob("dflash-0.1.0-*.whl"))
+    if found:
+        return found[0]
+    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "dflash==0.1.0",
+                               "-d", str(cache)], capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.skip("the package index did not answer within 180 s: cannot fetch dflash==0.1.0")
+    found = sorted(cache.glob("dflash-0.1.0-*.whl"))
+    if proc.returncode != 0 or not found:
+        pytest.skip(f"cannot fetch dflash==0.1.0 from the package index: {(proc.stderr or proc.stdout).strip()[-300:]}")
+    return found[0]
+
+
+def test_a_package_tree_imports_as_its_package_not_as_top_level_modules(tmp_path):
+    """A tree whose root has ``__init__.py`` and whose modules import each other relatively: the child imports its
+    modules as ``pkg.mod`` (top-level, ``from . import`` raises 'no known parent package')."""
+    from patcher.verify.subjects import methods
+
+    tree = tmp_path / "some_out_name"
+    tree.mkdir()
+    (tree / "__init__.py").write_text("from .helpers import WIDTH\n")
+    (tree / "helpers.py").write_text("WIDTH = 3\n")
+    (tree / "model.py").write_text("from . import helpers\n\ndef width():\n    return helpers.WIDTH\n")
+    module = methods._import(tree, "model")
+    assert module.width() == 3 and module.__name__ == "some_out_name.model"
+    assert str(tree) not in sys.path  # the tree's own names (model, helpers) do not shadow anyone's top-level modules
+
+
+def test_a_package_tree_takes_the_name_its_code_imports_itself_by(tmp_path):
+    from patcher.verify.subjects import methods
+
+    tree = tmp_path / "patched-copy"  # not an identifier: --out may name the folder anything
+    tree.mkdir()
+    (tree / "__init__.py").write_text("")
+    (tree / "model.py").write_text("X = 1\n")
+    (tree / "bench.py").write_text("from mypkg_zq.model import X\n")
+    assert methods.package_name(tree) == "mypkg_zq"
+    (tree / "bench.py").write_text("import torch.nn\n")  # someone else's package is never taken
+    assert methods.package_name(tree) == "ddpatch_tree"
+
+
+@pytest.mark.slow
+def test_zlabs_dflash_wheel_applies_and_verifies_end_to_end(tmp_path):
+    """``pip install dflash`` puts the package at ``site-packages/dflash``: patched with ``--out`` and verified, it passes
+    (before: the ``loads`` row failed on the runtime's relative import, 'no known parent package')."""
+    wheel = dflash_wheel()
+    site = tmp_path / "site-packages"
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(site)
+    assert (site / "dflash" / "__init__.py").is_file()
+    out = tmp_path / "patched"
+    applied = run("apply", site / "dflash", "--out", out)
+    assert applied.exit_code == 0, applied.output
+    assert "from . import _ddpatch_runtime" in (out / "model.py").read_text()
+    result = run("verify", out, "--preset", "tiny-qwen3_5", "--greedy-only", "--format", "json")
+    report = json.loads(result.stdout)
+    loads = next(c for c in report["checks"] if c["check"] == "loads")
+    assert loads["passed"], loads
+    assert result.exit_code == 0, result.output[-3000:]
