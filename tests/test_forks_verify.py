@@ -102,3 +102,51 @@ def test_zlabs_dflash_wheel_applies_and_verifies_end_to_end(tmp_path):
     loads = next(c for c in report["checks"] if c["check"] == "loads")
     assert loads["passed"], loads
     assert result.exit_code == 0, result.output[-3000:]
+
+
+# ----------------------------------------------------------------------------- 3. classes resolve by module
+_DRAFTER = '''
+import torch
+
+
+class DFlashDraftModel(torch.nn.Module):
+    def forward(self, target_hidden=None, noise_embedding=None, past_key_values=None):
+        return noise_embedding
+{extra}
+'''
+
+_OWN_DECODER = '''
+    def naive_generate(self, target, input_ids, max_new_tokens, mask_token_id=None):
+        cache = None
+        while input_ids.shape[1] < max_new_tokens:
+            out = target(input_ids, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+        return input_ids
+'''
+
+
+def _two_drafters_tree(tmp_path: Path) -> Path:
+    """Two modules define ``class DFlashDraftModel``; only the second has a decoding method of its own."""
+    tree = tmp_path / "two_drafters"
+    (tree / "alpha").mkdir(parents=True)
+    (tree / "beta").mkdir()
+    (tree / "alpha" / "model.py").write_text(_DRAFTER.format(extra=""))
+    (tree / "beta" / "model.py").write_text(_DRAFTER.format(extra=_OWN_DECODER))
+    return tree
+
+
+def test_two_drafter_classes_of_one_name_are_resolved_by_module(tmp_path):
+    """The decoder ``beta/model.py:DFlashDraftModel.naive_generate`` runs on beta's class (before: on alpha's, which
+    has no ``naive_generate``: verify crashed, exit 3)."""
+    from patcher.verify.plumbing.events import error_summary
+    from patcher.verify.subjects import decoders, methods
+
+    tree = _two_drafters_tree(tmp_path)
+    plan = decoders.plan(tree)
+    assert [d["qualname"] for d in plan["decoders"]] == ["DFlashDraftModel.naive_generate"]
+    loaded = methods.load(tree, plan, [4], error_summary)
+    assert loaded.methods, loaded.decoders
+    for method in loaded.methods:
+        cls = loaded.drafters[method.drafter]
+        assert cls.__module__ == "beta.model" and callable(getattr(cls, "naive_generate", None)), method
+    assert {c.__module__ for c in loaded.drafters.values()} == {"alpha.model", "beta.model"}

@@ -128,11 +128,18 @@ def _resolve(module, qualname: str):
 
 def load(tree: Path, plan: dict, budgets: list[int], error_summary) -> Loaded:
     drafters, notes, problems = {}, [], []
+    where: dict[tuple[str, str], str] = {}  # (file, class name) -> its key in ``drafters``: classes resolve by module
+    # a class whose method is a decoder is the one of that method's module, even where another module defines its name
+    owners = {(d["file"], d["qualname"].rsplit(".", 1)[0]) for d in plan["decoders"] if "." in d["qualname"]}
     for spec in plan["drafters"]:
-        if spec["name"] in drafters:
-            continue
+        key = spec["name"]
+        if key in drafters:  # a name defined twice (model.py and model_mlx.py) is one drafter, unless a decoder is its own
+            if (spec["file"], key) not in owners:
+                continue
+            key = f"{key}@{spec['file']}"
         try:
-            drafters[spec["name"]] = getattr(_import(tree, spec["module"]), spec["name"])
+            drafters[key] = getattr(_import(tree, spec["module"]), spec["name"])
+            where[(spec["file"], spec["name"])] = key
         except Exception as exc:
             notes.append(f"{spec['name']} ({spec['file']}): its module does not import: {error_summary(exc)['error']}")
     # the base drafter class first (DFlashDraftModel before DFlash2DraftModel(DFlashDraftModel))
@@ -151,7 +158,8 @@ def load(tree: Path, plan: dict, budgets: list[int], error_summary) -> Loaded:
             d.update(verified=False, reason=f"does not import: {err['error']}")
             continue
         owner = d["qualname"].rsplit(".", 1)[0] if "." in d["qualname"] else None
-        drafter_method = owner is not None and owner in drafters
+        owner = where.get((d["file"], owner), owner)  # the class of the decoder's own module
+        drafter_method = owner is not None and owner in drafters and drafters[owner].__module__ == module.__name__
         if owner is not None and not drafter_method:
             d.update(verified=False, reason=f"a method of {owner}, which is no drafter class: the verifier cannot build its instance "
                                             "(verify the function that builds it, with --entry)")
