@@ -150,3 +150,100 @@ def test_two_drafter_classes_of_one_name_are_resolved_by_module(tmp_path):
         cls = loaded.drafters[method.drafter]
         assert cls.__module__ == "beta.model" and callable(getattr(cls, "naive_generate", None)), method
     assert {c.__module__ for c in loaded.drafters.values()} == {"alpha.model", "beta.model"}
+
+
+# ----------------------------------------------------------------------------- 2. never guess an argument
+_GUARDED = '''
+import torch
+
+
+def _open_scorer(path, device):
+    if path is None:
+        raise ValueError("a scorer checkpoint is required")
+    return torch.load(path)
+
+
+def scored_tree_generate(model, target, input_ids, mask_token_id, max_new_tokens, block_size, stop_token_ids,
+                         temperature=0.0, scorer_path=None, scorer=None):
+    if scorer is None:
+        scorer = _open_scorer(scorer_path, input_ids.device)
+    cache = None
+    while input_ids.shape[1] < max_new_tokens:
+        out = target(input_ids, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+    return input_ids
+
+
+def fit_thresholds(model, target, input_ids, batches, rounds=4):
+    cache = None
+    for batch in batches:
+        out = target(batch, past_key_values=cache)
+    return out
+'''
+
+
+def _fn(src: str, name: str):
+    import linecache
+
+    filename = f"<fork {abs(hash(src))}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)  # inspect.getsource reads it
+    namespace: dict = {}
+    exec(compile(src, filename, "exec"), namespace)  # noqa: S102 -- our own test text
+    return namespace[name]
+
+
+def test_an_optional_parameter_of_no_known_name_is_never_bound_by_position():
+    """TAPS's shape: upstream's ``tree_budget`` sits 9th, a fork puts ``scorer_path=None`` there; before, verify passed
+    the tree budget to it (and the fork's ``torch.load(4)`` failed as if the decoder were wrong)."""
+    from patcher.verify.subjects.binding import bind_roles
+
+    roles = bind_roles(_fn(_GUARDED, "scored_tree_generate"))
+    assert "scorer_path" not in roles and "scorer" not in roles
+    assert roles["temperature"] == "temperature" and roles["max_new_tokens"] == "max_new_tokens"
+
+
+def test_a_renamed_required_parameter_in_upstreams_order_is_still_bound_by_position():
+    from patcher.verify.subjects.binding import NeedsArgument, NotADecoder, bind_roles
+
+    fn = _fn("def f(model, target, input_ids, mask_token_id, new_len, block_size, stop_token_ids): pass", "f")
+    assert bind_roles(fn)["new_len"] == "max_new_tokens"
+    # not upstream's order: no position is trusted, and the decoder is named with what it needs
+    shuffled = _fn("def f_generate(model, target, input_ids, block_size, new_len, mask_token_id): pass", "f_generate")
+    with pytest.raises(NeedsArgument, match="needs 'new_len'"):
+        bind_roles(shuffled)
+    # and a loop that takes no length and is no generate routine is no decoder
+    with pytest.raises(NotADecoder, match="not a decoder: calibrate"):
+        bind_roles(_fn("def calibrate(model, target, input_ids, batches): pass", "calibrate"))
+
+
+def test_a_parameter_the_decoder_raises_on_when_left_none_is_what_it_needs():
+    from patcher.verify.subjects.needs import needed
+
+    assert needed(_fn(_GUARDED, "scored_tree_generate"), {"model", "target", "input_ids", "mask_token_id", "max_new_tokens",
+                                                          "block_size", "stop_token_ids", "temperature"}) == [
+        ("scorer_path", "left None, _open_scorer raises ValueError('a scorer checkpoint is required')")]
+    # a guard the defaults do not reach (another parameter is given) is no need
+    other = _GUARDED.replace("if scorer is None:", "if scorer == 'off':")
+    assert needed(_fn(other, "scored_tree_generate"), {"model"}) == []
+
+
+def test_a_decoder_that_needs_a_value_is_not_verified_and_named_and_a_routine_is_left_out(tmp_path):
+    from patcher.verify.plumbing.events import error_summary
+    from patcher.verify.subjects import decoders, methods
+
+    tree = tmp_path / "fork"
+    tree.mkdir()
+    (tree / "scored.py").write_text("import _ddpatch_runtime\n" + _GUARDED)
+    (tree / "_ddpatch_runtime.py").write_text("")
+    plan = decoders.plan(tree)
+    loaded = methods.load(tree, plan, [4], error_summary)
+    by_name = {d["qualname"]: d for d in loaded.decoders}
+    scored, fit = by_name["scored_tree_generate"], by_name["fit_thresholds"]
+    assert not scored["verified"] and scored["needs"] == "scorer_path" and not loaded.methods
+    assert scored["reason"].startswith("needs 'scorer_path'") and "--entry" in scored["reason"]
+    assert fit["not_decoder"] and not fit["verified"]
+    row = methods.coverage_check(loaded.decoders, [], [])
+    assert not row["passed"]  # the decoder it could not verify is a finding ...
+    assert "scored.py:scored_tree_generate (needs 'scorer_path'" in row["evidence"]
+    assert "1 decoder(s) in files ddpatch patched were not verified: scored.py:scored_tree_generate;" in row["evidence"]
+    assert "left out, not decoders (no max_new_tokens: they generate nothing): scored.py:fit_thresholds" in row["evidence"]

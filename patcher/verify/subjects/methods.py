@@ -11,13 +11,15 @@ A decoder that cannot be imported or bound is kept, with the reason, for the cov
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .binding import BindError, kind_of, required_for
+from .binding import BindError, NeedsArgument, NotADecoder, bind_roles, kind_of, required_for
+from .needs import needed
 
 #: decoders a verify runs at most per drafter class beyond the first (each costs a full set of decodes)
 TAKES_TEMPERATURE = ("temperature", "temp")
@@ -166,8 +168,13 @@ def load(tree: Path, plan: dict, budgets: list[int], error_summary) -> Loaded:
             continue
         try:
             kind = kind_of(obj, drafter_method=drafter_method)
+            call = functools.partial(obj, None) if drafter_method else obj
+            needs = needed(obj, set(bind_roles(call, required_for(kind, drafter_method))))
+            if needs:
+                raise NeedsArgument(obj, needs[0][0], needs[0][1])
         except BindError as exc:
-            d.update(verified=False, reason=str(exc))
+            d.update(verified=False, reason=str(exc), not_decoder=isinstance(exc, NotADecoder),
+                     needs=getattr(exc, "parameter", None))
             continue
         if kind != "target" and not drafters:
             d.update(verified=False, reason="the tree defines no drafter class that imports (a class whose forward takes "
@@ -250,7 +257,8 @@ def coverage_check(decoders: list[dict], unparsed: list[str], notes: list[str], 
     """``decoders: N found, M verified``: a decoder left out of a file that ddpatch patched is a finding, unless the
     user left it out (``--entry``) or it is the same code as one verified (``same_as``)."""
     verified = [d for d in decoders if d.get("verified")]
-    left = [d for d in decoders if not d.get("verified")]
+    routines = [d for d in decoders if d.get("not_decoder")]  # a calibration loop: named, left out, never failed
+    left = [d for d in decoders if not d.get("verified") and not d.get("not_decoder")]
     finding = [d for d in left if d.get("patched") and not d.get("same_as")]
     text = f"{len(decoders)} found, {len(verified)} verified"
     if verified:
@@ -258,6 +266,9 @@ def coverage_check(decoders: list[dict], unparsed: list[str], notes: list[str], 
                                  for d in verified) + ")"
     if left:
         text += "; not verified: " + "; ".join(f"{d['file']}:{d['qualname']} ({d.get('reason') or 'not run'})" for d in left)
+    if routines:
+        text += "; left out, not decoders (no max_new_tokens: they generate nothing): " + "; ".join(
+            f"{d['file']}:{d['qualname']}" for d in routines)
     if notes:
         text += "; drafter classes not run: " + "; ".join(notes)
     unfit = [f"{d['label']} not with {cls} ({why})" for d in verified for cls, why in (d.get("not_with") or {}).items()]
