@@ -247,3 +247,94 @@ def test_a_decoder_that_needs_a_value_is_not_verified_and_named_and_a_routine_is
     assert "scored.py:scored_tree_generate (needs 'scorer_path'" in row["evidence"]
     assert "1 decoder(s) in files ddpatch patched were not verified: scored.py:scored_tree_generate;" in row["evidence"]
     assert "left out, not decoders (no max_new_tokens: they generate nothing): scored.py:fit_thresholds" in row["evidence"]
+
+
+# ----------------------------------------------------------------------------- 6. partial verdicts, never none
+_LOOP = '''
+def {name}(model, target, input_ids, max_new_tokens):
+    cache = "{name}"  # each body its own: copies of one body are verified once
+    while input_ids.shape[1] < max_new_tokens:
+        out = target(input_ids, past_key_values=cache)
+        model(target_hidden=out, noise_embedding=None)
+    return input_ids
+'''
+
+#: a stand-in for the verifier's child: it judges its chunk at once, except a chunk holding ``slow_gen`` (it hangs),
+#: or, with ``die`` in the chunk's decoder names, it exits without a result
+_FAKE_WORKER = '''
+import json, os, sys, time
+cfg = json.loads(sys.stdin.read())
+mine = [tuple(k) for k in cfg.get("run_only") or [[d["file"], d["qualname"]] for d in cfg["plan"]["decoders"]]]
+if any(q == "slow_gen" for _, q in mine):
+    time.sleep(120)
+if any(q == "die_gen" for _, q in mine):
+    os._exit(9)
+decoders = [dict(d, verified=True, reason="", kind="chain") for d in cfg["plan"]["decoders"]]
+rows = [{"check": "loads", "passed": True, "evidence": "all"},
+        {"check": "decoders", "passed": True, "evidence": f"{len(decoders)} found, {len(decoders)} verified"}]
+model = {"model": "tiny-qwen3_5", "checks": [{"check": "lossless: " + q, "passed": True, "evidence": "4/4 identical",
+                                             "decoder": {"file": f, "function": q}} for f, q in mine], "methods": []}
+print(json.dumps({"event": "result", "result": {"tree": cfg["tree"], "checks": rows, "models": [model], "decoders": decoders}}))
+'''
+
+
+@pytest.fixture
+def chunked(tmp_path, monkeypatch):
+    """A tree of three decoders verified in three chunks, one at a time, by the stand-in child."""
+    from patcher.verify.process import runner
+
+    tree = tmp_path / "three"
+    tree.mkdir()
+    worker = tmp_path / "fake_worker.py"
+    worker.write_text(_FAKE_WORKER)
+    monkeypatch.setattr(runner, "WORKER", worker)
+    monkeypatch.delenv(runner.WARM_ENV, raising=False)
+    monkeypatch.setattr(runner, "_slots", lambda: 1)
+
+    def split(cfg, cores=None):
+        keys = [[d["file"], d["qualname"]] for d in cfg["plan"]["decoders"]]
+        return [{**cfg, "run_only": [k], "wave": i} for i, k in enumerate(keys)]
+
+    monkeypatch.setattr(runner, "split", split)
+
+    def verify(*names, timeout=20.0):
+        for name in names:
+            (tree / f"{name}.py").write_text(_LOOP.format(name=name))
+        return runner.run_verify(tree, timeout=timeout, presets=["tiny-qwen3_5"], greedy_only=True)
+
+    return verify
+
+
+def _row(outcome, name):
+    return next(c for c in outcome.result["checks"] if c["check"] == name)
+
+
+def test_a_timeout_keeps_every_verdict_judged_and_names_the_rest(chunked):
+    """Before: 'verify timed out after N s', exit 2, and none of the verdicts the finished children gave."""
+    outcome = chunked("a_gen", "b_gen", "slow_gen", timeout=8)
+    assert not outcome.passed  # exit 1: findings
+    judged = [c["check"] for m in outcome.result["models"] for c in m["checks"]]
+    assert judged == ["lossless: a_gen", "lossless: b_gen"]
+    slow = next(d for d in outcome.result["decoders"] if d["qualname"] == "slow_gen")
+    assert not slow["verified"] and slow["reason"] == "not verified on tiny-qwen3_5: timed out after 8 s"
+    assert _row(outcome, "decoders")["evidence"].startswith("1 decoder(s) not verified: slow_gen.py:slow_gen (timed out after 8 s)")
+    finished = _row(outcome, "verify finished")
+    assert not finished["passed"] and finished["evidence"].startswith("2 of 3 part(s) judged; timed out after 8 s")
+    cli = run("verify", outcome.result["tree"], "--preset", "tiny-qwen3_5", "--greedy-only", "--timeout", "8")
+    assert cli.exit_code == 1 and "not verified: slow_gen.py:slow_gen (timed out after 8 s)" in cli.output, cli.output
+    assert "lossless: b_gen" in cli.output
+
+
+def test_a_child_that_dies_leaves_the_others_verdicts(chunked):
+    outcome = chunked("a_gen", "die_gen", "c_gen")
+    assert [c["check"] for m in outcome.result["models"] for c in m["checks"]] == ["lossless: a_gen", "lossless: c_gen"]
+    dead = next(d for d in outcome.result["decoders"] if d["qualname"] == "die_gen")
+    assert not dead["verified"] and "its verifier child died" in dead["reason"]
+    assert not _row(outcome, "verify finished")["passed"]
+
+
+def test_a_timeout_before_anything_was_judged_is_still_one_line_naming_the_decoders(chunked):
+    from patcher.errors import VerifyError
+
+    with pytest.raises(VerifyError, match=r"timed out after 3 s before any decoder was judged \(not verified: slow_gen.py:slow_gen"):
+        chunked("slow_gen", timeout=3)
