@@ -7,6 +7,7 @@ The trees are small ones written here, in our own words, and z-lab's ``dflash`` 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -290,6 +291,7 @@ def chunked(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "WORKER", worker)
     monkeypatch.delenv(runner.WARM_ENV, raising=False)
     monkeypatch.setattr(runner, "_slots", lambda: 1)
+    monkeypatch.setattr(runner, "warm_verifier", contextlib.nullcontext)  # the stand-in serves no warm verifier
 
     def split(cfg, cores=None):
         keys = [[d["file"], d["qualname"]] for d in cfg["plan"]["decoders"]]
@@ -338,3 +340,69 @@ def test_a_timeout_before_anything_was_judged_is_still_one_line_naming_the_decod
 
     with pytest.raises(VerifyError, match=r"timed out after 3 s before any decoder was judged \(not verified: slow_gen.py:slow_gen"):
         chunked("slow_gen", timeout=3)
+
+
+# ----------------------------------------------------------------------------- 5. what a fork adds is named first
+_RECOVERING = '''\
+from transformers import DynamicCache
+
+from aa_shared import log_round, tidy
+
+
+def recover_generate(model, target, input_ids, max_new_tokens, block_size=4, stop_token_ids=None, recovery=None):
+    cache = DynamicCache()
+    out = []
+    while len(out) < max_new_tokens:
+        logits = target(input_ids, past_key_values=cache).logits
+        if recovery is not None:
+            cache.crop(len(out))
+            recovery.rewind(cache)
+        log_round(cache, len(out))
+        if len(out) > 10**9:
+            cache.crop(0)
+        out.append(int(logits[0, -1].argmax()))
+    return out
+'''
+_SHARED = '''\
+def log_round(cache, n, deep=False):
+    if deep:
+        cache.crop(n)
+    if n > 10**9:
+        cache.crop(0)
+        tidy(cache)
+    if n < 0:
+        cache.crop(1)
+
+
+def tidy(cache):
+    cache.crop(0)
+'''
+
+
+def test_the_path_behind_a_none_parameter_is_named_first_and_said_unproven(tmp_path):
+    """A fork's recovery path behind ``recovery=None`` that no run entered: first in the text, by name and line, and said
+    to be unproven there (before: after the shared helper's branches, and past the text's cut, only in the JSON)."""
+    from patcher.verify.judge import coverage_rows
+    from patcher.verify.subjects.decoder_code import decoder_code
+    from patcher.verify.subjects.reach import Tree
+
+    (tmp_path / "fork.py").write_text(_RECOVERING)
+    (tmp_path / "aa_shared.py").write_text(_SHARED)  # a helper file that sorts before the fork's own
+    roles = {"model": "draft", "target": "target", "input_ids": "input_ids", "max_new_tokens": "max_new_tokens",
+             "block_size": "block_size", "stop_token_ids": "stop_token_ids"}
+    dc = decoder_code(Tree(tmp_path), ("fork.py", "recover_generate"), roles, {"block_size": 4})
+    lines = _RECOVERING.splitlines()
+    guard = next(i for i, text in enumerate(lines, 1) if "if recovery is not None" in text)
+    huge = next(i for i, text in enumerate(lines, 1) if "if len(out) > 10**9" in text)
+    ran: dict = {}
+    for (file, qualname), code in dc.functions().items():  # every statement ran but the arms' bodies
+        for first, own in code.statements.items():
+            if not (file == "fork.py" and (guard < first <= guard + 2 or first == huge + 1)) \
+                    and not (file == "aa_shared.py" and first not in (1, 2, 4, 7)):
+                ran.setdefault(file, set()).update(own)
+    row = coverage_rows.row("recover", dc, ran, {"roles": roles}, sampled=True)
+    never = row["evidence"].split("never ran: ", 1)[1]
+    assert never.startswith(f"fork.py:recover_generate line {guard + 1}-{guard + 2} (if recovery is not None; behind recovery, "
+                            "it defaults to None and no run gave it a value: this path is unproven"), row["evidence"]
+    own = never.index(f"fork.py:recover_generate line {huge + 1} (if len(out) > 10 ** 9")
+    assert own < never.index("aa_shared.py:log_round"), "the fork's own branch comes before a shared helper's"

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from ...errors import VerifierCrash, VerifyError
@@ -107,8 +107,10 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
     deadline = start + timeout
     oom_before = exitstatus.oom_kills()
     death = None
-    with tempfile.TemporaryDirectory(prefix="ddpatch-verify-") as workdir:
-        parts = split(cfg)
+    parts = split(cfg)
+    # more parts than cores (waves): the children fork from one warm verifier, torch imported once, not once a part
+    warm = warm_verifier() if len(parts) > _slots() and not os.environ.get(WARM_ENV) else nullcontext()
+    with warm, tempfile.TemporaryDirectory(prefix="ddpatch-verify-") as workdir:
         if len(parts) == 1:
             child = _forked_child(parts[0], env, workdir, deadline) or _FreshChild(parts[0], env, workdir)
             try:
