@@ -83,7 +83,7 @@ def package_name(tree: Path) -> str:
     import re
 
     own = {p.stem for p in tree.glob("*.py")} | {p.name for p in tree.iterdir() if (p / "__init__.py").is_file()}
-    pattern = re.compile(r"^[ \t]*(?:from|import)[ \t]+([A-Za-z_]\w*)\.(\w+)", re.M)
+    pattern = re.compile(r"^[ \t]*(?:from|import)[ \t]+([A-Za-z_]\w*)\.(\w+)", re.MULTILINE)
     for path in sorted(tree.glob("*.py")):
         try:
             text = path.read_text(encoding="utf-8")
