@@ -406,3 +406,13 @@ def test_the_path_behind_a_none_parameter_is_named_first_and_said_unproven(tmp_p
                             "it defaults to None and no run gave it a value: this path is unproven"), row["evidence"]
     own = never.index(f"fork.py:recover_generate line {huge + 1} (if len(out) > 10 ** 9")
     assert own < never.index("aa_shared.py:log_round"), "the fork's own branch comes before a shared helper's"
+
+
+def test_apply_writes_the_relative_runtime_import_at_a_package_trees_root(tmp_path):
+    from patcher.engine.packages import package_modes
+
+    (tmp_path / "__init__.py").write_text("")
+    assert package_modes(tmp_path, {"model.py": "import torch\n", "sub/x.py": "import torch\n"}) == {"model.py": True,
+                                                                                                     "sub/x.py": "both"}
+    (tmp_path / "__init__.py").unlink()  # a checkout's root: its modules are imported from the root
+    assert package_modes(tmp_path, {"model.py": "import torch\n"}) == {"model.py": False}
