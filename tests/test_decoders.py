@@ -141,9 +141,10 @@ def test_the_runner_spreads_decoders_over_cores_one_model_per_child(tmp_path):
     plan = {"decoders": [{"file": f"m{i}.py", "qualname": f"gen{i}"} for i in range(16)]}
     cfg = {"presets": ["tiny-qwen3_5"], "pairs": [{"label": "trained-qwen3_5"}], "plan": plan}
     assert len(split(cfg, cores=1)) == 1
-    two = split(cfg, cores=2)  # a model each, every decoder in both
-    assert [(c["presets"], c["pairs"]) for c in two] == [(["tiny-qwen3_5"], None), ([], [{"label": "trained-qwen3_5"}])]
-    assert all("run_only" not in c for c in two)
+    two = split(cfg, cores=2)  # a model each, its 16 decoders in 3 waves of chunks (a timeout keeps the waves that ended)
+    assert [(c["presets"], c["pairs"]) for c in two[::3]] == [(["tiny-qwen3_5"], None), ([], [{"label": "trained-qwen3_5"}])]
+    assert len(two) == 6 and [c["wave"] for c in two] == [0, 1, 2, 0, 1, 2]
+    assert all("run_only" not in c for c in split({**cfg, "plan": {"decoders": plan["decoders"][:6]}}, cores=2))
     assert all("run_only" not in c for c in split({**cfg, "plan": {"decoders": plan["decoders"][:7]}}, cores=8)), \
         "fewer than 4 decoders a child: one child per model"
     eight = split(cfg, cores=8)  # a model each, the decoders in 4 chunks per model: each decoder once per model

@@ -2,8 +2,9 @@
 
 The runtime goes next to each file that calls it (``_ddpatch_runtime/`` in the file's folder). A module of a
 regular package (its folder has ``__init__.py``) is imported as ``pkg.mod``: it needs ``from . import
-_ddpatch_runtime``. A script or a module at the tree's root is imported with its folder on ``sys.path``: ``import
-_ddpatch_runtime``. A folder without ``__init__.py`` below the root (a namespace package) can be either:
+_ddpatch_runtime``; so is a module at the root of a tree that is itself a package (``site-packages/dflash``: its
+root has ``__init__.py``), which ``ddpatch verify`` imports as that package (``dflash.model``). A script or a module
+at the root of any other tree is imported with its folder on ``sys.path``: ``import _ddpatch_runtime``. A folder without ``__init__.py`` below the root (a namespace package) can be either:
 
 * a module there that uses relative imports can only be imported as ``pkg.mod``: relative;
 * any other may be imported as ``pkg.mod`` (by the tree, ``import pkg.mod``, ``from pkg import mod``, a

@@ -21,13 +21,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from ...errors import VerifierCrash, VerifyError
 from ...results import Outcome
 from ..subjects import decoders
-from . import exitstatus
+from . import exitstatus, partial
 from ..judge import rollback
 from ..judge.coverage import rows as coverage_rows
 from ..models.folders import FolderError, check_pair
@@ -108,23 +108,36 @@ def run_verify(tree: Path, timeout: float = 600.0, progress=None, **options) -> 
     deadline = start + timeout
     oom_before = exitstatus.oom_kills()
     death = None
-    with tempfile.TemporaryDirectory(prefix="ddpatch-verify-") as workdir:
-        children = []
-        try:
-            for part in split(cfg):
-                children.append(_forked_child(part, env, workdir, deadline) or _FreshChild(part, env, workdir))
-            results = [_read_events(child, deadline, progress, log) for child in children] if len(children) == 1 else \
-                _read_all(children, deadline, progress, log)
-            if any(r is None for r in results) and time.perf_counter() < deadline:  # an output ended: how did it end?
-                death = next(c.death() for c, r in zip(children, results) if r is None)
-        finally:
-            for child in children:
+    parts = split(cfg)
+    # more parts than cores (waves): the children fork from one warm verifier, torch imported once, not once a part
+    warm = warm_verifier() if len(parts) > _slots() and not os.environ.get(WARM_ENV) else nullcontext()
+    with warm, tempfile.TemporaryDirectory(prefix="ddpatch-verify-") as workdir:
+        if len(parts) == 1:
+            child = _forked_child(parts[0], env, workdir, deadline) or _FreshChild(parts[0], env, workdir)
+            try:
+                results = [_read_events(child, deadline, progress, log)]
+                if results[0] is None and time.perf_counter() < deadline:  # its output ended: how did it end?
+                    death = child.death()
+            finally:
                 child.kill()
-    result = coverage_rows.settle(rollback.settle_rollback(merged(results)), results, cfg)  # one coverage row per decoder
+            deaths = {}
+        else:  # a queue: at most as many side by side as there are cores; each part's verdict kept as it comes
+            results, deaths = partial.run_queue(parts, lambda part: _forked_child(part, env, workdir, deadline)
+                                                or _FreshChild(part, env, workdir), _slots(), deadline, progress, log)
+    finished = [r for r in results if r is not None]
+    unfinished = len(finished) < len(results)
+    if unfinished and finished and not any(r.get("crash") or r.get("fatal") for r in finished):
+        result = partial.partial(merged(finished), results, parts, deaths, timeout, cfg)  # partial verdicts, never none
+    else:
+        result = merged(results)
+        death = death or next(iter(deaths.values()), None)
+    result = coverage_rows.settle(rollback.settle_rollback(result), finished, cfg)  # one coverage row per decoder
     seconds = time.perf_counter() - start
     if result is None:
         if death is None:
-            raise VerifyError(f"verify timed out after {timeout:.0f} s (raise --timeout, or use a smaller preset)")
+            names = ", ".join(f"{d['file']}:{d['qualname']}" for d in cfg["plan"]["decoders"])
+            raise VerifyError(f"verify timed out after {timeout:.0f} s before any decoder was judged (not verified: {names}; "
+                              "raise --timeout, or use a smaller preset)")
         death.oom_before, death.oom_after, death.limit = oom_before, exitstatus.oom_kills(), exitstatus.memory_limit()
         tail = " | ".join(line.strip() for line in log[-3:] if line.strip())
         raise VerifierCrash(f"internal error: the verifier process died without a result: {death.describe(cfg)}; "
@@ -141,6 +154,10 @@ MAX_CHILDREN = 8
 #: a child's own cost (importing torch, loading its model, the reference decodes and calibration) pays off only over
 #: several decoders: a model's decoders are chunked only where each child gets at least this many
 DECODERS_PER_CHILD = 4
+#: a child runs at most about this many decoders where the plan holds more than fit the cores at once, in at most
+#: ``WAVES`` waves: a timeout then reports the waves that finished (``partial``)
+WAVE_DECODERS = 6
+WAVES = 3
 
 
 def split(cfg: dict, cores: int | None = None) -> list[dict]:
@@ -157,9 +174,15 @@ def split(cfg: dict, cores: int | None = None) -> list[dict]:
         return [cfg]
     keys = [[d["file"], d["qualname"]] for d in cfg["plan"]["decoders"]]
     chunks = max(1, min(len(keys) // DECODERS_PER_CHILD, cores // len(groups)))
+    # many decoders: more chunks than run at once, in waves, so that a timeout keeps the waves that finished
+    chunks = max(chunks, min(-(-len(keys) // WAVE_DECODERS), len(keys) // DECODERS_PER_CHILD, chunks * WAVES))
     if chunks == 1:
         return groups
-    return [{**g, "run_only": keys[i::chunks]} for g in groups for i in range(chunks)]
+    return [{**g, "run_only": keys[i::chunks], "wave": i} for g in groups for i in range(chunks)]
+
+
+def _slots() -> int:
+    return max(1, min(os.cpu_count() or 1, MAX_CHILDREN))
 
 
 def merged(results: list) -> dict | None:
@@ -413,51 +436,6 @@ def warm_verifier():
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _read_all(children: list, deadline: float, progress, log: list[str]) -> list:
-    """Each child's result, reading their events as they come (a child that dies gives None)."""
-    import selectors
-
-    sel = selectors.DefaultSelector()
-    results: dict[int, dict | None] = {}
-    for i, child in enumerate(children):
-        sel.register(child.stdout, selectors.EVENT_READ, i)
-    sampled = 0.0
-    while len(results) < len(children):
-        remaining = deadline - time.perf_counter()
-        if remaining <= 0:
-            break
-        if time.perf_counter() - sampled >= 1.0:  # their peak memory, for the message if one dies
-            for i, child in enumerate(children):
-                if i not in results:
-                    child.sample()
-            sampled = time.perf_counter()
-        ready = sel.select(timeout=min(remaining, 1.0))
-        if not ready:
-            for i, child in enumerate(children):
-                if i not in results and child.exited():
-                    results[i] = None
-                    sel.unregister(child.stdout)
-            continue
-        for key, _ in ready:
-            i, child = key.data, children[key.data]
-            line = child.stdout.readline()
-            if not line:
-                results[i] = None
-                sel.unregister(child.stdout)
-                continue
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                log.append(line)
-                continue
-            if event.get("event") == "progress" and progress is not None:
-                progress(event)
-            elif event.get("event") == "result":
-                results[i] = event["result"]
-                sel.unregister(child.stdout)
-    return [results.get(i) for i in range(len(children))]
 
 
 def _read_events(child, deadline: float, progress, log: list[str]) -> dict | None:

@@ -32,6 +32,8 @@ UPSTREAM_ORDERS = (
 )
 
 REQUIRED_ROLES = ("draft", "target", "input_ids", "max_new_tokens")
+#: words in a function's name that say it generates (a decoder that calls its length something of its own)
+GENERATES = ("generate", "decode", "spec", "sample")
 #: a drafter's own decoding method (``DFlashDraftModel.spec_generate``): the drafter is ``self``
 METHOD_ROLES = ("target", "input_ids", "max_new_tokens")
 #: a target-only decoder (a fork's ``target_generate``): no drafter in sight
@@ -40,6 +42,24 @@ TARGET_ROLES = ("target", "input_ids", "max_new_tokens")
 
 class BindError(TypeError):
     """The verifier cannot tell what one of the decoder's parameters means."""
+
+
+class NeedsArgument(BindError):
+    """A required parameter the verifier has no value for (a checkpoint, a dataset): the decoder is not verified, and
+    the report names the parameter and how to give it; never a guess that the decoder then fails on."""
+
+    def __init__(self, fn, name: str, why: str = "") -> None:
+        self.parameter = name
+        where = f"{getattr(fn, '__name__', fn)}{_where(fn)}"
+        super().__init__(
+            f"needs {name!r}{' (' + why + ')' if why else ''}: cannot call {where} without it, and the verifier has no value "
+            f"for it; give it with a wrapper that calls {getattr(fn, '__name__', fn)} with {name}=..., picked with --entry FILE:WRAPPER "
+            f"([tool.ddpatch] entry), or leave the file out with --exclude FILE")
+
+
+class NotADecoder(BindError):
+    """A routine that runs a model with a cache in a loop but generates nothing (no max_new_tokens: a calibration or
+    profiling loop): named and left out, never failed."""
 
 
 def _role_by_annotation(annotation) -> str | None:
@@ -114,18 +134,27 @@ def _bind_roles(fn, required) -> dict[str, str]:
     else:
         orders = UPSTREAM_ORDERS
     order = max(orders, key=agreement)
+    # never guess: a parameter of no known name is bound by position only where it is required and every parameter
+    # named before and after it sits where upstream's order has its role (upstream's signature with one name changed);
+    # one with a default keeps it (TAPS's joint_checkpoint=None, 8th, is no tree budget)
+    upstream_shaped = all(roles[p.name] == order[i] for i, p in enumerate(positional) if p.name in roles and i < len(order))
     for i, p in enumerate(positional):
-        if p.name not in roles and i < len(order) and order[i] not in roles.values():
+        if (p.name not in roles and upstream_shaped and p.default is inspect.Parameter.empty and i < len(order)
+                and order[i] not in roles.values()):
             roles[p.name] = order[i]
+    missing = [r for r in required if r not in roles.values()]
+    name = getattr(fn, "__name__", "") or ""
+    if missing == ["max_new_tokens"] and not any(w in name.lower() for w in GENERATES):
+        raise NotADecoder(f"not a decoder: {name}{_where(fn)} takes no max_new_tokens (it runs a model with a cache in a loop "
+                          f"but generates nothing: a calibration or profiling routine); if it is a decoder, pick it with "
+                          f"--entry and name its parameters as upstream does")
     for p in params:
         if p.name not in roles and p.default is inspect.Parameter.empty:
-            raise BindError(
-                f"cannot call {getattr(fn, '__name__', fn)}{_where(fn)}: its required parameter {p.name!r} has no known meaning "
-                f"(the verifier passes {', '.join(ROLE_NAMES)}; name it like upstream or give it a default)"
-            )
-    missing = [r for r in required if r not in roles.values()]
+            raise NeedsArgument(fn, p.name)
     if missing:
-        raise BindError(f"cannot call {getattr(fn, '__name__', fn)}{_where(fn)}: no parameter takes the {', '.join(missing)}")
+        raise BindError(f"cannot call {name}{_where(fn)}: no parameter takes the {', '.join(missing)} (the verifier passes "
+                        f"{', '.join(ROLE_NAMES)}, each by one of upstream's names); pick a wrapper that does with --entry, or "
+                        f"leave the file out with --exclude FILE")
     return roles
 
 

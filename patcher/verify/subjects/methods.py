@@ -11,13 +11,15 @@ A decoder that cannot be imported or bound is kept, with the reason, for the cov
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .binding import BindError, kind_of, required_for
+from .binding import BindError, NeedsArgument, NotADecoder, bind_roles, kind_of, required_for
+from .needs import needed
 
 #: decoders a verify runs at most per drafter class beyond the first (each costs a full set of decodes)
 TAKES_TEMPERATURE = ("temperature", "temp")
@@ -63,9 +65,60 @@ class Loaded:
 
 
 def _import(tree: Path, module: str):
-    if str(tree) not in sys.path:
-        sys.path.insert(0, str(tree))
-    return importlib.import_module(module)
+    """The tree's module ``module`` (dotted from the tree's root), imported as the tree's own code imports it: a tree
+    whose root is a package (``site-packages/dflash``: its root has ``__init__.py``, its modules import each other and
+    ddpatch's runtime relatively) is imported as that package (``dflash.model``); any other tree from its root."""
+    package = root_package(tree)
+    if package is None:
+        if str(tree) not in sys.path:
+            sys.path.insert(0, str(tree))
+        return importlib.import_module(module)
+    return importlib.import_module(package if module in ("", "__init__") else f"{package}.{module}")
+
+
+def package_name(tree: Path) -> str:
+    """The name a package tree is imported under: the one its own modules import it by (``from dflash.model import``
+    in a module at its root), else its folder's name (``--out`` may name it anything: a relative import does not care),
+    else a name of ours."""
+    import re
+
+    own = {p.stem for p in tree.glob("*.py")} | {p.name for p in tree.iterdir() if (p / "__init__.py").is_file()}
+    pattern = re.compile(r"^[ \t]*(?:from|import)[ \t]+([A-Za-z_]\w*)\.(\w+)", re.MULTILINE)
+    for path in sorted(tree.glob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        for name, sub in pattern.findall(text):
+            if sub in own and name not in own and name not in sys.modules and name not in sys.stdlib_module_names:
+                return name
+    return tree.name if tree.name.isidentifier() else "ddpatch_tree"
+
+
+def root_package(tree: Path) -> str | None:
+    """The package name a tree whose root has ``__init__.py`` is imported under (registered once, from the tree's
+    folder, before any installed package of that name), or None for a tree imported from its root."""
+    tree = Path(tree).resolve()
+    if not (tree / "__init__.py").is_file():
+        return None
+    if tree in _PACKAGES:
+        return _PACKAGES[tree]
+    name = package_name(tree)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, tree / "__init__.py", submodule_search_locations=[str(tree)])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    try:
+        spec.loader.exec_module(package)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    _PACKAGES[tree] = name
+    return name
+
+
+_PACKAGES: dict = {}  # a package tree's folder -> the name it was imported under
 
 
 def _resolve(module, qualname: str):
@@ -77,11 +130,18 @@ def _resolve(module, qualname: str):
 
 def load(tree: Path, plan: dict, budgets: list[int], error_summary) -> Loaded:
     drafters, notes, problems = {}, [], []
+    where: dict[tuple[str, str], str] = {}  # (file, class name) -> its key in ``drafters``: classes resolve by module
+    # a class whose method is a decoder is the one of that method's module, even where another module defines its name
+    owners = {(d["file"], d["qualname"].rsplit(".", 1)[0]) for d in plan["decoders"] if "." in d["qualname"]}
     for spec in plan["drafters"]:
-        if spec["name"] in drafters:
-            continue
+        key = spec["name"]
+        if key in drafters:  # a name defined twice (model.py and model_mlx.py) is one drafter, unless a decoder is its own
+            if (spec["file"], key) not in owners:
+                continue
+            key = f"{key}@{spec['file']}"
         try:
-            drafters[spec["name"]] = getattr(_import(tree, spec["module"]), spec["name"])
+            drafters[key] = getattr(_import(tree, spec["module"]), spec["name"])
+            where[(spec["file"], spec["name"])] = key
         except Exception as exc:
             notes.append(f"{spec['name']} ({spec['file']}): its module does not import: {error_summary(exc)['error']}")
     # the base drafter class first (DFlashDraftModel before DFlash2DraftModel(DFlashDraftModel))
@@ -100,15 +160,21 @@ def load(tree: Path, plan: dict, budgets: list[int], error_summary) -> Loaded:
             d.update(verified=False, reason=f"does not import: {err['error']}")
             continue
         owner = d["qualname"].rsplit(".", 1)[0] if "." in d["qualname"] else None
-        drafter_method = owner is not None and owner in drafters
+        owner = where.get((d["file"], owner), owner)  # the class of the decoder's own module
+        drafter_method = owner is not None and owner in drafters and drafters[owner].__module__ == module.__name__
         if owner is not None and not drafter_method:
             d.update(verified=False, reason=f"a method of {owner}, which is no drafter class: the verifier cannot build its instance "
                                             "(verify the function that builds it, with --entry)")
             continue
         try:
             kind = kind_of(obj, drafter_method=drafter_method)
+            call = functools.partial(obj, None) if drafter_method else obj
+            needs = needed(obj, set(bind_roles(call, required_for(kind, drafter_method))))
+            if needs:
+                raise NeedsArgument(obj, needs[0][0], needs[0][1])
         except BindError as exc:
-            d.update(verified=False, reason=str(exc))
+            d.update(verified=False, reason=str(exc), not_decoder=isinstance(exc, NotADecoder),
+                     needs=getattr(exc, "parameter", None))
             continue
         if kind != "target" and not drafters:
             d.update(verified=False, reason="the tree defines no drafter class that imports (a class whose forward takes "
@@ -191,7 +257,8 @@ def coverage_check(decoders: list[dict], unparsed: list[str], notes: list[str], 
     """``decoders: N found, M verified``: a decoder left out of a file that ddpatch patched is a finding, unless the
     user left it out (``--entry``) or it is the same code as one verified (``same_as``)."""
     verified = [d for d in decoders if d.get("verified")]
-    left = [d for d in decoders if not d.get("verified")]
+    routines = [d for d in decoders if d.get("not_decoder")]  # a calibration loop: named, left out, never failed
+    left = [d for d in decoders if not d.get("verified") and not d.get("not_decoder")]
     finding = [d for d in left if d.get("patched") and not d.get("same_as")]
     text = f"{len(decoders)} found, {len(verified)} verified"
     if verified:
@@ -199,6 +266,9 @@ def coverage_check(decoders: list[dict], unparsed: list[str], notes: list[str], 
                                  for d in verified) + ")"
     if left:
         text += "; not verified: " + "; ".join(f"{d['file']}:{d['qualname']} ({d.get('reason') or 'not run'})" for d in left)
+    if routines:
+        text += "; left out, not decoders (no max_new_tokens: they generate nothing): " + "; ".join(
+            f"{d['file']}:{d['qualname']}" for d in routines)
     if notes:
         text += "; drafter classes not run: " + "; ".join(notes)
     unfit = [f"{d['label']} not with {cls} ({why})" for d in verified for cls, why in (d.get("not_with") or {}).items()]

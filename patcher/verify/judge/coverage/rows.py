@@ -58,8 +58,9 @@ class Finding:
             behind = f"ran in the runs of {', '.join(self.elsewhere)}"
         elif self.sites:
             behind = "; ".join(f"behind {g}, {self.why.get(g, 'not run')}" for g in self.guards) or "no parameter selects it"
-        else:
-            behind = f"behind {', '.join(self.guards)}" if self.guards else "no parameter selects it"
+        else:  # a path behind a parameter left None is said to be unproven (``own_findings``)
+            behind = "; ".join(f"behind {g}" + (f", {self.why[g]}" if "defaults to None" in self.why.get(g, "") else "")
+                               for g in self.guards) or "no parameter selects it"
         return f"{where} ({what}; {behind}; {self.sites[0] if self.sites else 'no token or cache change'})"
 
     def brief(self) -> str:
@@ -178,6 +179,28 @@ def classify(items: list, modes: dict, sampled: bool) -> None:
         f.unproven = bool(f.sites) and bool(f.guards) and not excused and not exhausted and not f.elsewhere
 
 
+def own_findings(dc: DecoderCode, items: list, modes: dict) -> set:
+    """The findings in the decoder's own code (its own branches that can change tokens or caches, the helpers it never
+    entered, and any branch behind a parameter of its that defaults to None): what a fork adds, named first in the text
+    (a branch that only prints stays in the short list). A branch behind such a
+    parameter that the verifier passed nothing for is said to be unproven in the text, whatever it holds."""
+    import ast
+
+    decoder = dc.functions().get(dc.decoder.key)
+    roles = modes.get("roles", {})
+    nones = {p for p, d in (getattr(decoder, "defaults", None) or {}).items()
+             if isinstance(d, ast.Constant) and d.value is None and p not in roles}
+    out = set()
+    for f in items:
+        behind_none = [g for g in f.guards if g in nones and not any(g in r["values"] for r in modes.get("runs", []))]
+        for g in behind_none:
+            f.why[g] = (f"it defaults to None and no run gave it a value: this path is unproven (the verifier has no value it "
+                        f"can build for {g}; give one with a wrapper that passes it, picked with --entry)")
+        if ((f.file, f.function) == tuple(dc.decoder.key) and f.sites) or f.kind == "function" or behind_none:
+            out.add(id(f))
+    return out
+
+
 def _values(values: dict) -> str:
     return ", ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in values.items())
 
@@ -186,7 +209,8 @@ def row(label: str, dc: DecoderCode, ran: dict, modes: dict, sampled: bool, else
     """``coverage: LABEL``: fails on an unproven branch, warns on any other unrun line, else passes."""
     per_function, items = findings(dc, ran, elsewhere)
     classify(items, modes, sampled)
-    items.sort(key=lambda f: (not f.unproven, not f.sites, f.file, f.first))
+    own = own_findings(dc, items, modes)
+    items.sort(key=lambda f: (not f.unproven, id(f) not in own, not f.sites, f.file, f.first))
     helpers = [p for p in per_function if p["helper"] and p["ran"]]
     done = sum(p["ran"] for p in per_function if p["ran"] or not p["helper"])
     total = sum(p["total"] for p in per_function if p["ran"] or not p["helper"])
@@ -199,11 +223,12 @@ def row(label: str, dc: DecoderCode, ran: dict, modes: dict, sampled: bool, else
     if not items:
         evidence = f"{head}: every line ran{tail}"
     else:
-        risky, benign = [f for f in items if f.sites], [f for f in items if not f.sites]
-        parts = [f.describe() for f in risky[:SHOWN]]
+        first = [f for f in items if id(f) in own]  # what the fork adds: named first, whole, by name and line
+        risky, benign = [f for f in items if f.sites and id(f) not in own], [f for f in items if not f.sites and id(f) not in own]
+        parts = [f.describe() for f in first[:2 * SHOWN]] + [f.describe() for f in risky[:SHOWN]]
         if benign:
             parts.append("no token or cache change in: " + ", ".join(f.brief() for f in benign[:SHOWN]))
-        hidden = max(0, len(risky) - SHOWN) + max(0, len(benign) - SHOWN)
+        hidden = max(0, len(first) - 2 * SHOWN) + max(0, len(risky) - SHOWN) + max(0, len(benign) - SHOWN)
         shown = "; ".join(parts) + (f"; {hidden} more in the JSON" if hidden else "")
         lead = f"{len(unproven)} unproven branch(es) that can change tokens or caches: " if unproven else ""
         evidence = f"{lead}{head}; never ran: {shown}{tail}"
