@@ -91,7 +91,7 @@ def test_the_padded_target_has_the_head_dim_vllm_takes_and_decodes_the_same_gree
     floor = es.load_floor()
     seqs = [p["ids"] + p["greedy"][:N_PREDICT] for p in floor["prompts"][:4]]
     original, copy = _logits(es.PAIR / "target", seqs), _logits(padded, seqs)
-    for seq, prompt, a, b in zip(seqs, floor["prompts"], original, copy):
+    for prompt, a, b in zip(floor["prompts"], original, copy):
         n = len(prompt["ids"])
         assert a[n - 1:-1].argmax(-1).tolist() == prompt["greedy"][:N_PREDICT]  # the stored greedy is the original's
         assert b[n - 1:-1].argmax(-1).tolist() == prompt["greedy"][:N_PREDICT]

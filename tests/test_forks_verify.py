@@ -395,7 +395,7 @@ def test_the_path_behind_a_none_parameter_is_named_first_and_said_unproven(tmp_p
     guard = next(i for i, text in enumerate(lines, 1) if "if recovery is not None" in text)
     huge = next(i for i, text in enumerate(lines, 1) if "if len(out) > 10**9" in text)
     ran: dict = {}
-    for (file, qualname), code in dc.functions().items():  # every statement ran but the arms' bodies
+    for (file, _qualname), code in dc.functions().items():  # every statement ran but the arms' bodies
         for first, own in code.statements.items():
             if not (file == "fork.py" and (guard < first <= guard + 2 or first == huge + 1)) \
                     and not (file == "aa_shared.py" and first not in (1, 2, 4, 7)):

@@ -30,9 +30,9 @@ def _flips(code: Code, p: str, current: int) -> list[int]:
             continue
         left, right, op = node.left, node.comparators[0], _OPS[type(node.ops[0])]
         if isinstance(left, ast.Name) and left.id == p and isinstance(right, ast.Constant) and type(right.value) is int:
-            test = lambda v, c=right.value: op(v, c)  # noqa: E731
+            test = lambda v, c=right.value, op=op: op(v, c)  # noqa: E731
         elif isinstance(right, ast.Name) and right.id == p and isinstance(left, ast.Constant) and type(left.value) is int:
-            test = lambda v, c=left.value: op(c, v)  # noqa: E731
+            test = lambda v, c=left.value, op=op: op(c, v)  # noqa: E731
         else:
             continue
         c = right.value if isinstance(right, ast.Constant) else left.value

@@ -342,7 +342,7 @@ def upstream_tests_row(patched: Path, unpatched: Unpatched, steps_of: Callable[[
             for i, (name, blocked) in enumerate(ENVIRONMENTS):
                 if progress is not None:
                     progress({"event": "progress", "done": i, "total": len(ENVIRONMENTS), "label": f"upstream tests, {name}"})
-                runs = list(pool.map(lambda tree: run_pytest(tree, paths, blocked, scratch, timeout), (before, after)))
+                runs = list(pool.map(lambda tree, blocked=blocked: run_pytest(tree, paths, blocked, scratch, timeout), (before, after)))
                 verdict = compare(*runs, after, changed, steps_by_file)
                 environments.append({"name": name, "blocked": list(blocked), **verdict})
                 texts.append(_env_text(name, verdict, steps_by_file))
