@@ -152,7 +152,7 @@ def correct(vllm_python, target64, tmp_path_factory):
     return {"kind": client.kind, "answer": answer, "result": result, "log": log}
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_client_reads_vllms_own_answer_exactly(correct):
     answer = correct["answer"]
     assert correct["kind"] == "vllm"  # found out from /v1/models' owned_by
@@ -163,7 +163,7 @@ def test_the_client_reads_vllms_own_answer_exactly(correct):
     assert "auxiliary layers from speculative config: (2, 5, 7)" in correct["log"]  # [1, 4, 6] + 1
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_referee_passes_the_correct_engine(correct):
     v = correct["result"]["verdict"]
     assert correct["result"]["exit_code"] == 0 and v["line"].startswith("the engine reaches a correct DFlash's acceptance"), v
@@ -172,7 +172,7 @@ def test_the_referee_passes_the_correct_engine(correct):
         assert row["acceptance"]["exact"], row  # rounds from metrics.speculative_decoding
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_referee_fails_a_drafter_read_at_the_wrong_layers(vllm_python, target64, tmp_path_factory):
     """The first three layers where the drafter was trained on [1, 4, 6]. (Reversed layers, [6, 4, 1], are no fault
     in vLLM: its target collects the layers it is asked for in its own layer order, and the referee passes them,
@@ -188,7 +188,7 @@ def test_the_referee_fails_a_drafter_read_at_the_wrong_layers(vllm_python, targe
     assert v["engine"] < v["reference"], v
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_server_without_counters_is_one_error_line_and_every_server_stops(vllm_python, target64, tmp_path):
     """``--disable-log-stats`` empties ``/metrics``; without ``--per-request-spec-decode-metrics`` (opt-in) the answers
     carry no counters either. (With it, vLLM 0.32 still counts per request, and the referee judges as usual.)"""

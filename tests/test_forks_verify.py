@@ -85,7 +85,7 @@ def test_a_package_tree_takes_the_name_its_code_imports_itself_by(tmp_path):
     assert methods.package_name(tree) == "ddpatch_tree"
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_zlabs_dflash_wheel_applies_and_verifies_end_to_end(tmp_path):
     """``pip install dflash`` puts the package at ``site-packages/dflash``: patched with ``--out`` and verified, it passes
     (before: the ``loads`` row failed on the runtime's relative import, 'no known parent package')."""
