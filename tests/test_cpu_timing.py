@@ -71,7 +71,12 @@ def patched(tmp_path, monkeypatch):
     timing = next(s for s in result.report.steps if s.spec.id == "cpu-safe-timing")
     assert timing.status == "applied", timing
     monkeypatch.syspath_prepend(str(tmp_path / "out"))
+    _forget_runtime()  # another test of this worker may have imported a runtime copy of its own under the same name
     yield tmp_path / "out"
+    _forget_runtime()
+
+
+def _forget_runtime() -> None:
     for name in [m for m in sys.modules if m == "_ddpatch_runtime" or m.startswith("_ddpatch_runtime.")]:
         del sys.modules[name]
 

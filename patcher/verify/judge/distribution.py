@@ -124,7 +124,7 @@ def sample(loop) -> dict[str, dict]:
     for method in loop.methods:
         counts: dict[int, int] = {}
         for i in range(cfg["sampling_runs"]):
-            new = loop.decode(method, prompt, reference, seed=50_000 + i, max_new_tokens=2, logits=False).new
+            new = loop.decode(method, prompt, reference, seed=50_000 + i, max_new_tokens=2, judge=False).new
             if len(new) > 1:
                 counts[new[1]] = counts.get(new[1], 0) + 1
         test = chi_square_test(counts, expected, alpha=cfg.get("alpha", 1e-3))
