@@ -1105,3 +1105,4 @@ from . import variants_forks  # noqa: E402,F401  (registers the shapes of real f
 from . import variants_backbone  # noqa: E402,F401  (verify through the backbone and the fork's own LM head, issue 42)
 from . import variants_surgery  # noqa: E402,F401  (registers the forks that edit a cache's layers by hand, issue 42)
 from . import variants_refusals  # noqa: E402,F401  (registers the shapes refused without need, issue 42)
+from . import variants_round3  # noqa: E402,F401  (registers the engine-side shapes of issue 49, round 3)
