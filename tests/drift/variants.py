@@ -64,6 +64,8 @@ class Variant:
     #: code written for 5.25's counted past recording raises TypeError before it. The patched tree
     #: runs on every release (record_past), so only test_unpatched_variant_still_decodes_on_full_attention skips.
     unpatched_min_transformers: str | None = None
+    #: The methods whose lossless checks a pass must contain (None: the layout's, ``outcome.required_lossless``).
+    methods: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.expected, NoMatch):

@@ -246,7 +246,7 @@ ROUTED = {"target-cache-config": "applied", "verify-forward": "applied", "draft-
 ROUND3 = [
     Variant(
         "drafter-loop-only", "forks (issue 49)", "dflash", build_drafter_loop_only, claims_drafter_loop_only,
-        statuses=ROUTED,
+        statuses=ROUTED, methods=("DFlashDraftModel.spec_generate",),
         summary="the decode loop moved into `DFlashDraftModel.spec_generate(self, target, ...)`, driving `self(...)`; "
                 "`dflash_generate = DFlashDraftModel.spec_generate` is left as an alias (no module-level function)",
     ),
