@@ -472,3 +472,17 @@ def test_a_transformers_older_than_the_floor_is_refused_in_one_line(monkeypatch)
         with pytest.raises(rt.UnsupportedModelError, match=rf"transformers {version} is older than 5\.21\.0") as info:
             rt.hybrid_linear_modules(m)
         assert "\n" not in str(info.value) and reason in str(info.value)
+
+
+def test_a_draft_handed_features_its_own_fc_already_projected_is_not_refused():
+    """A fork projects the target's features itself first (``model.project_target_hidden(...)``: the draft's own fc
+    and norm) and hands the draft what its fc gives (issue 49, kimwin2/MDFlash's shape): that width is read as it is;
+    a width that is neither the fc's input nor its output is still refused in one line."""
+    from patcher.runtime.probes import _check_draft_reads
+
+    draft = torch.nn.Module()
+    draft.fc = torch.nn.Linear(128, 64, bias=False)
+    _check_draft_reads(draft, {"target_hidden": torch.zeros(1, 3, 128)})  # raw features: the fc's input
+    _check_draft_reads(draft, {"target_hidden": torch.zeros(1, 3, 64)})  # already projected: the fc's output
+    with pytest.raises(rt.UnsupportedModelError, match="give 96 features per token where the draft reads 128"):
+        _check_draft_reads(draft, {"target_hidden": torch.zeros(1, 3, 96)})

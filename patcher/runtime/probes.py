@@ -105,7 +105,10 @@ def _check_draft_reads(model, kwargs: dict) -> None:
             f"ddpatch: the target's hidden states reach the draft as shape {tuple(features.shape)}, not "
             "[batch, tokens, features] (hyper-connection streams?); a DFlash draft cannot read them as they are"
         )
-    if isinstance(features, torch.Tensor) and isinstance(fc, torch.nn.Linear) and features.shape[-1] != fc.in_features:
+    # a fork may project the features itself first (``model.project_target_hidden(...)``: the draft's own fc and norm)
+    # and hand the draft what its fc gives: that width is read as it is, never refused
+    widths = (fc.in_features, fc.out_features) if isinstance(fc, torch.nn.Linear) else ()
+    if isinstance(features, torch.Tensor) and widths and features.shape[-1] not in widths:
         raise UnsupportedModelError(
             f"ddpatch: the target's hidden states give {features.shape[-1]} features per token where the draft "
             f"reads {fc.in_features} (target hidden states of another width, e.g. hyper-connection streams); "

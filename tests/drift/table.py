@@ -51,7 +51,7 @@ def main() -> int:
             if rep.exit_code == 0 and not args.no_verify:
                 ver = outcome.verify(tmp / v.name / "out")
                 row["verify"] = ver.describe()
-                missing = outcome.required_lossless(v.base) - ver.lossless
+                missing = outcome.required_lossless(v.base, v.methods) - ver.lossless
                 if ver.passed and missing:
                     row["verify"] = f"pass, but without {sorted(missing)}"
             elif rep.exit_code != 0:

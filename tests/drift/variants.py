@@ -64,6 +64,8 @@ class Variant:
     #: code written for 5.25's counted past recording raises TypeError before it. The patched tree
     #: runs on every release (record_past), so only test_unpatched_variant_still_decodes_on_full_attention skips.
     unpatched_min_transformers: str | None = None
+    #: The methods whose lossless checks a pass must contain (None: the layout's, ``outcome.required_lossless``).
+    methods: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.expected, NoMatch):
@@ -1105,3 +1107,4 @@ from . import variants_forks  # noqa: E402,F401  (registers the shapes of real f
 from . import variants_backbone  # noqa: E402,F401  (verify through the backbone and the fork's own LM head, issue 42)
 from . import variants_surgery  # noqa: E402,F401  (registers the forks that edit a cache's layers by hand, issue 42)
 from . import variants_refusals  # noqa: E402,F401  (registers the shapes refused without need, issue 42)
+from . import variants_round3  # noqa: E402,F401  (registers the engine-side shapes of issue 49, round 3)
