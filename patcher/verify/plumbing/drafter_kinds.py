@@ -74,6 +74,25 @@ def verify_refusal(kind: DrafterKind, where: str) -> str | None:
     return None
 
 
+#: The kinds ``ddpatch referee`` judges today. DFlash2's chain reference is wired into the referee's reference
+#: (``patcher/referee/reference.py``: ``kind_reference.prompt_entry``); DSpark's is not yet, and DFlash2 has no tree
+#: reference (the referee says "not judged" for DDTree with a DFlash2 drafter).
+REFEREE_JUDGES = ("dflash", "dflash2")
+#: How the referee's lines name each kind's correct decoder.
+KIND_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark"}
+
+
+def referee_refusal(kind: DrafterKind, where: str) -> str | None:
+    """The one line ``ddpatch referee`` prints for a ``--draft`` of this kind, or None where the referee judges it."""
+    if not kind.supported:
+        return kind.refusal(where)
+    if kind.kind not in REFEREE_JUDGES:
+        return (f"{where}: a {kind.kind} drafter ({kind.found()}): the referee's reference judges "
+                f"{' and '.join(KIND_NAMES[k] for k in REFEREE_JUDGES)} drafters only so far; a {kind.kind} drafter drafts "
+                "otherwise, and a DFlash verdict on it would mean nothing")
+    return None
+
+
 def _get(config: dict, name: str):
     inner = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
     if name in config:
