@@ -185,7 +185,7 @@ def test_dspark_reference_is_propose_start_by_start(pair_bits, anchor_first):
 
 # ----------------------------------------------------------------------------- the referee and drafter kinds
 @pytest.mark.parametrize("config, says, fields", [
-    (DSPARK, "a dspark drafter", "markov_head_type=\"vanilla\""),  # a reference exists, not wired into the referee's yet
+    (DSPARK, "its confidence head cuts each draft at the engine's own threshold", "has_confidence_head=true"),
     ({**DSPARK, "markov_head_type": "gated"}, "its Markov head is 'gated'", "markov_head_type=\"gated\""),
     ({"architectures": ["MedusaModel"], "dflash_config": {}}, "a MedusaModel drafter", "architectures=[\"MedusaModel\"]"),
     ({"architectures": ["DFlash2DraftModel"], "dflash_config": {"selector_top_k": 4}}, "lacks selector_rank, conv_kernel_size", "selector_top_k=4"),
@@ -204,17 +204,29 @@ def test_the_referee_refuses_a_kind_it_does_not_judge_in_one_line_before_any_req
     assert "127.0.0.1" not in lines[0]  # refused from the config alone: the engine was never asked
 
 
-def test_the_referee_judges_dflash2_where_verify_does_not_yet():
+def test_the_referee_judges_dflash2_and_dspark_without_a_confidence_head_where_verify_does_not_yet():
     from patcher.verify.plumbing.drafter_kinds import referee_refusal, verify_refusal
 
-    assert referee_refusal(kind_of(DFLASH2), "--draft D") is None and referee_refusal(kind_of(DFLASH), "--draft D") is None
-    assert "judge DFlash drafters only so far" in verify_refusal(kind_of(DFLASH2), "--draft D")
-    assert "DFlash and DFlash2 drafters only" in referee_refusal(kind_of(DSPARK), "--draft D")
+    plain = {**DSPARK, "has_confidence_head": False}
+    for config in (DFLASH, DFLASH2, plain, {k: v for k, v in DSPARK.items() if k != "has_confidence_head"}):
+        assert referee_refusal(kind_of(config), "--draft D") is None, config
+    for config in (DFLASH2, plain):
+        assert "judge DFlash drafters only so far" in verify_refusal(kind_of(config), "--draft D")
+    assert "p_min" in referee_refusal(kind_of(DSPARK), "--draft D")
+
+
+def _proposed(draft, hidden, anchor: int, head) -> list[int]:
+    """The drafter's own ``propose`` (greedy) over a round's block output ``hidden``."""
+    import torch
+
+    rows = draft.draft_positions() if hasattr(draft, "draft_positions") else slice(1, None)
+    with torch.inference_mode():
+        return draft.propose(hidden[None, rows], torch.tensor([anchor]), head, 0.0)[0][0].tolist()
 
 
 def _own_path(pair, draft, prompt, first: int, length: int):
-    """New tokens that a DFlash2 drafter's own ``propose`` drafts round after round, every draft taken whole: along them
-    a correct DFlash2 chain accepts the whole block at each of those round starts."""
+    """New tokens that a drafter's own ``propose`` drafts round after round, every draft taken whole: along them a
+    correct chain of its kind accepts the whole draft at each of those round starts."""
     import torch
 
     from patcher.verify.judge.kind_reference import block_hidden_at
@@ -223,39 +235,39 @@ def _own_path(pair, draft, prompt, first: int, length: int):
     got, starts = [first], [0]
     while len(got) < length:
         seq = list(prompt) + got
-        hidden = block_hidden_at(pair, context_features(pair, seq), seq, len(seq) - 1)
-        with torch.inference_mode():
-            path = draft.propose(hidden[None, 1:], torch.tensor([seq[-1]]), pair.head, 0.0)[0][0].tolist()
-        got += path
+        got += _proposed(draft, block_hidden_at(pair, context_features(pair, seq), seq, len(seq) - 1), seq[-1], pair.head)
         starts.append(len(got) - 1)
     return got, starts[:-1]
 
 
-def test_the_referees_dflash2_reference_is_the_drafters_own_chain_start_by_start(pair_bits, tmp_path):
-    import torch
-
+@pytest.mark.parametrize("cls, extra, kind", [
+    ("DFlash2DraftModel", dict(conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=4), "dflash2"),
+    ("DSparkDraftModel", dict(markov_rank=8, sample_from_anchor=True, has_confidence_head=False), "dspark"),
+    ("DSparkDraftModel", dict(markov_rank=8, sample_from_anchor=False, has_confidence_head=False), "dspark"),
+])
+def test_the_referees_kind_reference_is_the_drafters_own_chain_start_by_start(pair_bits, tmp_path, cls, extra, kind):
     from patcher.referee.reference import along, load_pair
     from patcher.verify.judge.kind_reference import block_hidden_at
     from patcher.verify.judge.pair_reference import context_features, prompt_entry
     from patcher.verify.judge.reference_decode import ScratchPair
 
     target, prompt, seq = pair_bits
-    made = _drafter("DFlash2DraftModel", conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=4)
-    made.config.architectures = ["DFlash2DraftModel"]
+    made = _drafter(cls, **extra)
+    made.config.architectures = [cls]
     made.save_pretrained(tmp_path / "d2")
     _, draft = load_pair(str(TARGET), str(tmp_path / "d2"))  # the referee's own loading: the class from the config's kind
-    assert type(draft).__name__ == "DFlash2DraftModel"
+    assert type(draft).__name__ == cls
     pair = ScratchPair(target, draft, 1, draft.block_size)
     got, starts = _own_path(pair, draft, prompt, seq[len(prompt)], 18)
     ref = along(target, draft, prompt, got, (8,), 1e-3)
-    assert ref.kind == "dflash2" and list(ref.methods) == ["dflash2"]  # no tree reference: DDTree is not judged
+    assert ref.kind == kind and list(ref.methods) == [kind]  # no tree reference: DDTree is not judged
     full = list(prompt) + got
     feats = context_features(pair, full)
-    P, q = len(prompt), draft.block_size - 1
+    P = len(prompt)
+    q = draft.block_size if getattr(draft, "sample_from_anchor", False) else draft.block_size - 1  # DSpark anchor-first: 8
     for s in range(len(got) - 1):
-        hidden = block_hidden_at(pair, feats, full, P + s)
-        with torch.inference_mode():
-            path = draft.propose(hidden[None, 1:], torch.tensor([full[P + s]]), target.lm_head, 0.0)[0][0].tolist()
+        path = _proposed(draft, block_hidden_at(pair, feats, full, P + s), full[P + s], target.lm_head)
+        assert len(path) == q
         gold = got[s + 1 : s + 1 + q]
         a = 0
         while a < len(gold) and path[a] == gold[a]:
@@ -263,7 +275,7 @@ def test_the_referees_dflash2_reference_is_the_drafters_own_chain_start_by_start
         assert ref.chain["at"][s] == a + 1, f"start {s}"
         assert a + 1 in ref.chain["reachable"][s], f"start {s}"
     assert all(ref.chain["at"][s] == min(q, len(got) - 1 - s) + 1 for s in starts)
-    # DFlash's argmax chain along the same tokens accepts less: judged by it, a correct DFlash2 engine would read "above"
+    # DFlash's argmax chain along the same tokens accepts less: judged by it, a correct engine of this kind reads "above"
     dflash = prompt_entry(pair, prompt, got, ["dflash"], len(got), 1e-3)["methods"]["dflash"]["at"]
     assert sum(dflash[s] for s in starts) < sum(ref.chain["at"][s] for s in starts), (dflash, ref.chain["at"])
 

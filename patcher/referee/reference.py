@@ -26,7 +26,7 @@ class PromptReference:
     greedy: list[int]  # the target's greedy continuation (stops at a stop token)
     stop_at: int | None
     methods: dict = field(default_factory=dict)  # method -> {"at": [...], "reachable": [[...], ...]}
-    kind: str = "dflash"  # the drafter's kind: its chain is ``methods[kind]`` (DFlash2: no ``ddtree_tbB``, no tree reference)
+    kind: str = "dflash"  # the drafter's kind: its chain is ``methods[kind]`` (DFlash2, DSpark: no ``ddtree_tbB``)
 
     @property
     def chain(self) -> dict:
@@ -111,21 +111,23 @@ def load_pair(target_dir: str, draft_dir: str, dtype: str = "float32", drafter_c
 
 
 def drafter_class_for(draft_dir: str):
-    """The class that loads ``draft_dir``'s drafter: ddpatch's own ``DFlash2DraftModel`` for a DFlash2 config
-    (``drafter_kinds.kind_of``), else the shipped DFlash."""
+    """The class that loads ``draft_dir``'s drafter: ddpatch's own ``DFlash2DraftModel`` or ``DSparkDraftModel`` for a
+    config of that kind (``drafter_kinds.kind_of``), else the shipped DFlash."""
     from ..verify.plumbing.drafter_kinds import kind_of_folder
 
     found = kind_of_folder(draft_dir)
-    if found is not None and found.kind == "dflash2":
+    own = {"dflash2": "DFlash2DraftModel", "dspark": "DSparkDraftModel"}
+    if found is not None and found.kind in own:
         from ..verify.models.drafters import CLASSES
 
-        return CLASSES["DFlash2DraftModel"]
+        return CLASSES[own[found.kind]]
     return shipped_drafter_class()
 
 
 def _entry(pair, prompt, tokens, budgets, eps: float, hidden_eps: float, stop_ids) -> tuple[dict, str]:
-    """(one prompt's entry, the drafter's kind): DFlash's chain and trees (``pair_reference``), or a DFlash2 drafter's
-    chain (``kind_reference``: its selector picks each token, so DFlash's argmax chain is not its reference)."""
+    """(one prompt's entry, the drafter's kind): DFlash's chain and trees (``pair_reference``), or a DFlash2 or DSpark
+    drafter's chain (``kind_reference``: a selector or a Markov head picks each token, so DFlash's argmax chain is not
+    their reference)."""
     from ..verify.judge.kind_reference import kind_of_model, prompt_entry as kind_entry
     from ..verify.judge.pair_reference import methods_for, prompt_entry
 
@@ -155,7 +157,7 @@ def shipped_drafter_class():
 
 def references(target, draft, prompts: list[list[int]], max_new_tokens: int, budgets, stop_ids=(), progress=None) -> tuple[list, dict]:
     """(per prompt a ``PromptReference``, the epsilon used): the target's greedy continuations and, at every start, each
-    method's from-scratch acceptance and reachable set (``dflash``, ``ddtree_tbB``; a DFlash2 drafter: ``dflash2`` alone)."""
+    method's from-scratch acceptance and reachable set (``dflash``, ``ddtree_tbB``; DFlash2, DSpark: their chain alone)."""
     import torch
 
     from ..verify.judge.drafter_oracle import calibrate

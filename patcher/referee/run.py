@@ -66,7 +66,7 @@ def judge_prompt(i: int, ref, answer, max_new_tokens: int, budgets, divergence=N
     row["reference_along"] = "engine" if walk is not ref else "target"
     n = len(walk.greedy) if walk.stop_at is None else max_new_tokens
     stop = walk.stop_at
-    chain = walk.chain  # the drafter kind's own chain reference (DFlash's, or DFlash2's selector chain)
+    chain = walk.chain  # the drafter kind's own chain reference (DFlash's; DFlash2's selector, DSpark's Markov head)
     rounds = engine_rounds(chain["at"], n, stop)
     row["reference"] = _mean(rounds)
     row["reference_rounds"] = len(rounds)
@@ -147,7 +147,7 @@ def gap(r: dict) -> list:
 
 
 def verdict(rows: list[dict], engine_kind: str, drafter: str = "DFlash") -> dict:
-    """``_verdict``'s, its line naming the correct decoder of the drafter's kind (``drafter``: DFlash, DFlash2)."""
+    """``_verdict``'s, its line naming the correct decoder of the drafter's kind (``drafter``: DFlash, DFlash2, DSpark)."""
     out = _verdict(rows, engine_kind)
     if drafter != "DFlash":
         out["line"] = out["line"].replace("correct DFlash", f"correct {drafter}")

@@ -23,7 +23,7 @@ def referee_text(result: dict) -> str:
         out.append(f"{r['prompt']:>6}  {same:>13}  {_f(r['engine']):>7}  {_f(r['reference']):>9}  {_f(r['floor']):>6}  {how}")
     v = result["verdict"]
     out.append("")
-    name = {"dflash2": "DFlash2"}.get(result.get("drafter_kind"), "DFlash")
+    name = {"dflash2": "DFlash2", "dspark": "DSpark"}.get(result.get("drafter_kind"), "DFlash")
     out.append(f"  overall: engine {_f(v.get('engine'))} · a correct {name} {_f(v.get('reference'))} tokens a round")
     if result.get("ddtree") and any(m is None for m in result["ddtree"].values()):
         out.append(f"  DDTree: not judged (no tree reference for a {name} drafter)")
