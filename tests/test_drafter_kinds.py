@@ -348,3 +348,14 @@ def test_the_shipped_dflash2_drafter_accepts_several_tokens_a_round_as_its_refer
         at = prompt_entry(pair, "dflash2", seq[:P], seq[P:], new, 0.0)["methods"]["dflash2"]["at"]
         rounds = walk(at, new)
         assert sum(rounds) / len(rounds) == pytest.approx(ref["per_prompt"][i], abs=0.006), (i, rounds)
+        if i == 2:  # start by start, the trained drafter's own propose accepts what the reference says
+            from patcher.verify.judge.kind_reference import block_hidden_at
+            from patcher.verify.judge.pair_reference import context_features
+
+            feats = context_features(pair, seq)
+            for s in range(new):
+                path = _proposed(draft, block_hidden_at(pair, feats, seq, P + s), seq[P + s], target.lm_head)
+                gold = seq[P + s + 1 : P + s + 1 + len(path)]
+                a = next((k for k, (x, y) in enumerate(zip(path, gold)) if x != y), len(path))
+                assert at[s] == a + 1, f"start {s}"
+            assert max(at) > 5, at

@@ -6,7 +6,8 @@ same prompts.
    prompts), sent at temperature 0; its tokens and the engine's own acceptance counters, in one definition (mean
    tokens a verification round commits, the bonus included: ``counters.tokens_per_round``).
 3. ddpatch's from-scratch reference on the same prompts (``reference``): the target's greedy tokens, what a correct
-   DFlash accepts (and DDTree at each budget asked), and the near-tie floor, counted as the engine counts.
+   DFlash accepts (and DDTree at each budget asked), and the near-tie floor, counted as the engine counts. A DFlash2 or
+   DSpark drafter (its config's kind: ``drafter_kinds``) is judged by its own kind's chain, DDTree not judged.
 4. Per prompt and overall: token identity (the first divergence), the two acceptances, the floor, and one verdict.
 """
 
