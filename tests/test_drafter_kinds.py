@@ -181,3 +181,181 @@ def test_dspark_reference_is_propose_start_by_start(pair_bits, anchor_first):
         cut += len(mine) < len(full)
         differ_plain += lg.argmax(-1).tolist() != full
     assert cut > 0 and differ_plain > 0
+
+
+# ----------------------------------------------------------------------------- the referee and drafter kinds
+@pytest.mark.parametrize("config, says, fields", [
+    (DSPARK, "its confidence head cuts each draft at the engine's own threshold", "has_confidence_head=true"),
+    ({**DSPARK, "markov_head_type": "gated"}, "its Markov head is 'gated'", "markov_head_type=\"gated\""),
+    ({"architectures": ["MedusaModel"], "dflash_config": {}}, "a MedusaModel drafter", "architectures=[\"MedusaModel\"]"),
+    ({"architectures": ["DFlash2DraftModel"], "dflash_config": {"selector_top_k": 4}}, "lacks selector_rank, conv_kernel_size", "selector_top_k=4"),
+])
+def test_the_referee_refuses_a_kind_it_does_not_judge_in_one_line_before_any_request(tmp_path, config, says, fields):
+    from click.testing import CliRunner
+
+    from patcher.cli import main
+
+    folder = _folder(tmp_path, config)
+    result = CliRunner().invoke(main, ["referee", "--engine", "http://127.0.0.1:9", "--target", str(TARGET), "--draft", str(folder)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ddpatch: error:"), lines
+    assert says in lines[0] and fields in lines[0] and "DFlash verdict" in lines[0], lines[0]
+    assert "127.0.0.1" not in lines[0]  # refused from the config alone: the engine was never asked
+
+
+def test_the_referee_judges_dflash2_and_dspark_without_a_confidence_head_where_verify_does_not_yet():
+    from patcher.verify.plumbing.drafter_kinds import referee_refusal, verify_refusal
+
+    plain = {**DSPARK, "has_confidence_head": False}
+    for config in (DFLASH, DFLASH2, plain, {k: v for k, v in DSPARK.items() if k != "has_confidence_head"}):
+        assert referee_refusal(kind_of(config), "--draft D") is None, config
+    for config in (DFLASH2, plain):
+        assert "judge DFlash drafters only so far" in verify_refusal(kind_of(config), "--draft D")
+    assert "p_min" in referee_refusal(kind_of(DSPARK), "--draft D")
+
+
+def _proposed(draft, hidden, anchor: int, head) -> list[int]:
+    """The drafter's own ``propose`` (greedy) over a round's block output ``hidden``."""
+    import torch
+
+    rows = draft.draft_positions() if hasattr(draft, "draft_positions") else slice(1, None)
+    with torch.inference_mode():
+        return draft.propose(hidden[None, rows], torch.tensor([anchor]), head, 0.0)[0][0].tolist()
+
+
+def _own_path(pair, draft, prompt, first: int, length: int):
+    """New tokens that a drafter's own ``propose`` drafts round after round, every draft taken whole: along them a
+    correct chain of its kind accepts the whole draft at each of those round starts."""
+    import torch
+
+    from patcher.verify.judge.kind_reference import block_hidden_at
+    from patcher.verify.judge.pair_reference import context_features
+
+    got, starts = [first], [0]
+    while len(got) < length:
+        seq = list(prompt) + got
+        got += _proposed(draft, block_hidden_at(pair, context_features(pair, seq), seq, len(seq) - 1), seq[-1], pair.head)
+        starts.append(len(got) - 1)
+    return got, starts[:-1]
+
+
+@pytest.mark.parametrize("cls, extra, kind", [
+    ("DFlash2DraftModel", dict(conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=4), "dflash2"),
+    ("DSparkDraftModel", dict(markov_rank=8, sample_from_anchor=True, has_confidence_head=False), "dspark"),
+    ("DSparkDraftModel", dict(markov_rank=8, sample_from_anchor=False, has_confidence_head=False), "dspark"),
+])
+def test_the_referees_kind_reference_is_the_drafters_own_chain_start_by_start(pair_bits, tmp_path, cls, extra, kind):
+    from patcher.referee.reference import along, load_pair
+    from patcher.verify.judge.kind_reference import block_hidden_at
+    from patcher.verify.judge.pair_reference import context_features, prompt_entry
+    from patcher.verify.judge.reference_decode import ScratchPair
+
+    target, prompt, seq = pair_bits
+    made = _drafter(cls, **extra)
+    made.config.architectures = [cls]
+    made.save_pretrained(tmp_path / "d2")
+    _, draft = load_pair(str(TARGET), str(tmp_path / "d2"))  # the referee's own loading: the class from the config's kind
+    assert type(draft).__name__ == cls
+    pair = ScratchPair(target, draft, 1, draft.block_size)
+    got, starts = _own_path(pair, draft, prompt, seq[len(prompt)], 18)
+    ref = along(target, draft, prompt, got, (8,), 1e-3)
+    assert ref.kind == kind and list(ref.methods) == [kind]  # no tree reference: DDTree is not judged
+    full = list(prompt) + got
+    feats = context_features(pair, full)
+    P = len(prompt)
+    q = draft.block_size if getattr(draft, "sample_from_anchor", False) else draft.block_size - 1  # DSpark anchor-first: 8
+    for s in range(len(got) - 1):
+        path = _proposed(draft, block_hidden_at(pair, feats, full, P + s), full[P + s], target.lm_head)
+        assert len(path) == q
+        gold = got[s + 1 : s + 1 + q]
+        a = 0
+        while a < len(gold) and path[a] == gold[a]:
+            a += 1
+        assert ref.chain["at"][s] == a + 1, f"start {s}"
+        assert a + 1 in ref.chain["reachable"][s], f"start {s}"
+    assert all(ref.chain["at"][s] == min(q, len(got) - 1 - s) + 1 for s in starts)
+    # DFlash's argmax chain along the same tokens accepts less: judged by it, a correct engine of this kind reads "above"
+    dflash = prompt_entry(pair, prompt, got, ["dflash"], len(got), 1e-3)["methods"]["dflash"]["at"]
+    assert sum(dflash[s] for s in starts) < sum(ref.chain["at"][s] for s in starts), (dflash, ref.chain["at"])
+
+
+DFLASH2_SHIPPED = ROOT / "patcher" / "data" / "trained_pair" / "draft_dflash2"
+
+
+@pytest.mark.parametrize("lossy", [False, True])
+def test_the_referee_judges_the_shipped_dflash2_drafter_by_its_own_chain(monkeypatch, lossy):
+    """A made-up engine whose counters are a correct DFlash2's along its tokens passes, named as DFlash2's; one that
+    accepts nothing loses acceptance; DDTree is not judged (no tree reference for DFlash2)."""
+    from test_referee import MadeUpEngine
+
+    from patcher.referee import engines, run
+    from patcher.referee.counters import Acceptance
+    from patcher.referee.reference import load_pair
+    from patcher.report.referee import referee_text
+
+    engine = MadeUpEngine(*load_pair(str(TARGET), str(DFLASH2_SHIPPED)), "")
+    if lossy:
+        made = engine.generate
+
+        def generate(prompt, n):
+            out = made(prompt, n)
+            out.acceptance = Acceptance(drafted=None, accepted=0, rounds=n - 2, rounds_exact=True, source="made up")
+            return out
+
+        engine.generate = generate
+    monkeypatch.setattr(engines, "connect", lambda *a, **k: engine)
+    result = run.referee("http://made-up", str(TARGET), str(DFLASH2_SHIPPED), prompts=2, max_new_tokens=24, budgets=(8,))
+    v = result["verdict"]
+    assert result["drafter_kind"] == "dflash2" and result["ddtree"] == {8: None}
+    assert all(r["identical"] and r["reference"] > 2 for r in result["per_prompt"]), result["per_prompt"]
+    if lossy:
+        assert not v["passed"] and v["kind"] == "loses acceptance" and "where a correct DFlash2 accepts" in v["line"], v
+    else:
+        assert v["passed"] and v["kind"] == "exact" and v["line"].startswith("the engine reaches a correct DFlash2's"), v
+        assert all(r["engine"] == pytest.approx(r["reference"]) for r in result["per_prompt"])
+    text = referee_text(result)
+    assert "a correct DFlash2" in text and "DDTree: not judged (no tree reference for a DFlash2 drafter)" in text, text
+
+
+def test_the_shipped_dflash2_drafter_accepts_several_tokens_a_round_as_its_reference_json_says():
+    """The shipped DFlash2 drafter (tools/train_tiny_pair.py --kind dflash2): its reference chain accepts more than 2
+    tokens a round on the held-out prompts, and two prompts' figures of reference.json come out again from scratch."""
+    import torch
+
+    from patcher.referee.reference import load_pair
+    from patcher.verify.judge.kind_reference import prompt_entry
+    from patcher.verify.judge.reference_decode import ScratchPair, walk
+
+    meta = json.loads((DFLASH2_SHIPPED / "reference.json").read_text())
+    assert meta["class"] == "DFlash2DraftModel" and meta["bytes"] == (DFLASH2_SHIPPED / "model.safetensors").stat().st_size
+    assert sum(p.stat().st_size for p in DFLASH2_SHIPPED.iterdir()) < 2.1e6
+    ref = meta["reference"]
+    assert ref["mean_acceptance"] > 2 and ref["prompts"] == 8, ref
+    target, draft = load_pair(str(TARGET), str(DFLASH2_SHIPPED))
+    tok_prompts = json.loads((TARGET.parent / "metadata.json").read_text())["held_out_prompts"]
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(DFLASH2_SHIPPED)
+    pair = ScratchPair(target, draft, draft.mask_token_id, draft.block_size)
+    new = ref["new_tokens"]
+    for i in (0, 2):
+        seq = tok(tok_prompts[i]).input_ids
+        P = len(seq)
+        with torch.inference_mode():
+            for _ in range(new + draft.block_size + 1):
+                seq.append(int(target(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+        at = prompt_entry(pair, "dflash2", seq[:P], seq[P:], new, 0.0)["methods"]["dflash2"]["at"]
+        rounds = walk(at, new)
+        assert sum(rounds) / len(rounds) == pytest.approx(ref["per_prompt"][i], abs=0.006), (i, rounds)
+        if i == 2:  # start by start, the trained drafter's own propose accepts what the reference says
+            from patcher.verify.judge.kind_reference import block_hidden_at
+            from patcher.verify.judge.pair_reference import context_features
+
+            feats = context_features(pair, seq)
+            for s in range(new):
+                path = _proposed(draft, block_hidden_at(pair, feats, seq, P + s), seq[P + s], target.lm_head)
+                gold = seq[P + s + 1 : P + s + 1 + len(path)]
+                a = next((k for k, (x, y) in enumerate(zip(path, gold)) if x != y), len(path))
+                assert at[s] == a + 1, f"start {s}"
+            assert max(at) > 5, at

@@ -298,7 +298,7 @@ class MadeUpEngine:
         while len(seq) < len(prompt) + n:
             seq.append(int(forward(self.target, seq)[-1].argmax()))
         got = seq[len(prompt):]
-        at = along(self.target, self.draft, list(prompt), got, [8], 0.0).methods["dflash"]["at"]
+        at = along(self.target, self.draft, list(prompt), got, [8], 0.0).chain["at"]  # the drafter kind's own chain
         rounds = walk(at, n, engine=True)
         acc = Acceptance(drafted=None, accepted=sum(rounds) - len(rounds), rounds=len(rounds), rounds_exact=True, source="made up")
         return EngineAnswer(engine="vllm", api="made-up", output_ids=got, text="", finish="length", prompt_tokens=len(prompt),

@@ -48,7 +48,8 @@ def referee(engine, target, draft, prompts_file, prompts, max_new_tokens, tree_b
     tokens a verification round commits, the bonus included), checks its tokens against the target's greedy
     decoding, and runs ddpatch's from-scratch DFlash (and DDTree at --tree-budgets) on the same prompts with the
     same pair. One verdict: the engine reaches a correct DFlash's acceptance (the drafter is the limit), loses
-    acceptance (the integration), or is not lossless. docs/engines.md says what each engine counts.
+    acceptance (the integration), or is not lossless. A DFlash2 or DSpark drafter (read from its config) is judged
+    by its own kind's chain reference; a kind without one is refused. docs/engines.md says what each engine counts.
 
     Exit 0: exact, and at a correct DFlash's acceptance; 1: a finding, or inconclusive; 2: bad input (an engine that
     does not answer or reports no counters, another tokenizer, a prompt over the context); 3: ddpatch's own error.

@@ -26,6 +26,11 @@ class PromptReference:
     greedy: list[int]  # the target's greedy continuation (stops at a stop token)
     stop_at: int | None
     methods: dict = field(default_factory=dict)  # method -> {"at": [...], "reachable": [[...], ...]}
+    kind: str = "dflash"  # the drafter's kind: its chain is ``methods[kind]`` (DFlash2, DSpark: no ``ddtree_tbB``)
+
+    @property
+    def chain(self) -> dict:
+        return self.methods[self.kind]
 
 
 def engine_accepted_range(reachable: list[list[int]], n: int, stop_at: int | None = None) -> tuple[int, int] | None:
@@ -63,10 +68,37 @@ def load_pair(target_dir: str, draft_dir: str, dtype: str = "float32", drafter_c
     common = dict(dtype=torch_dtype, local_files_only=True)
     with bad_folder("--target", target_dir):
         target = load_target(target_dir, None, common).eval()
-    cls = drafter_class or shipped_drafter_class()
+    cls = drafter_class or drafter_class_for(draft_dir)
     with bad_folder("--draft", draft_dir):
         draft = cls.from_pretrained(draft_dir, attn_implementation="sdpa", **common).eval()
     return target, draft
+
+
+def drafter_class_for(draft_dir: str):
+    """The class that loads ``draft_dir``'s drafter: ddpatch's own ``DFlash2DraftModel`` or ``DSparkDraftModel`` for a
+    config of that kind (``drafter_kinds.kind_of``), else the shipped DFlash."""
+    from ..verify.plumbing.drafter_kinds import kind_of_folder
+
+    found = kind_of_folder(draft_dir)
+    own = {"dflash2": "DFlash2DraftModel", "dspark": "DSparkDraftModel"}
+    if found is not None and found.kind in own:
+        from ..verify.models.drafters import CLASSES
+
+        return CLASSES[own[found.kind]]
+    return shipped_drafter_class()
+
+
+def _entry(pair, prompt, tokens, budgets, eps: float, hidden_eps: float, stop_ids) -> tuple[dict, str]:
+    """(one prompt's entry, the drafter's kind): DFlash's chain and trees (``pair_reference``), or a DFlash2 or DSpark
+    drafter's chain (``kind_reference``: a selector or a Markov head picks each token, so DFlash's argmax chain is not
+    their reference)."""
+    from ..verify.judge.kind_reference import kind_of_model, prompt_entry as kind_entry
+    from ..verify.judge.acceptance.pair_reference import methods_for, prompt_entry
+
+    kind = kind_of_model(pair.draft)
+    if kind == "dflash":
+        return prompt_entry(pair, prompt, tokens, methods_for(budgets), len(tokens), eps, stop_ids), kind
+    return kind_entry(pair, kind, prompt, tokens, len(tokens), eps, stop_ids, hidden_eps=hidden_eps), kind
 
 
 def shipped_drafter_class():
@@ -89,12 +121,12 @@ def shipped_drafter_class():
 
 def references(target, draft, prompts: list[list[int]], max_new_tokens: int, budgets, stop_ids=(), progress=None) -> tuple[list, dict]:
     """(per prompt a ``PromptReference``, the epsilon used): the target's greedy continuations and, at every start, each
-    method's from-scratch acceptance and reachable set (``dflash``, ``ddtree_tbB``)."""
+    method's from-scratch acceptance and reachable set (``dflash``, ``ddtree_tbB``; DFlash2, DSpark: their chain alone)."""
     import torch
 
-    from ..verify.judge.drafter.recorder import calibrate
-    from ..verify.judge.acceptance.pair_reference import epsilon_of, methods_for, prompt_entry
     from ..verify.judge.acceptance.reference_decode import ScratchPair
+    from ..verify.judge.drafter.recorder import calibrate
+    from ..verify.judge.acceptance.pair_reference import epsilon_of
     from ..verify.models.load import greedy
 
     block = int(getattr(draft, "block_size", None) or draft.config.block_size)
@@ -106,8 +138,8 @@ def references(target, draft, prompts: list[list[int]], max_new_tokens: int, bud
     pair = ScratchPair(target, draft, mask, block)
     out = []
     for i, (prompt, cont) in enumerate(zip(prompts, conts)):
-        entry = prompt_entry(pair, prompt, cont, methods_for(budgets), len(cont), eps["logits"], stop_ids)
-        out.append(PromptReference(list(prompt), list(cont), entry["stop_at"], entry["methods"]))
+        entry, kind = _entry(pair, prompt, cont, budgets, eps["logits"], eps["output_tolerance"], stop_ids)
+        out.append(PromptReference(list(prompt), list(cont), entry["stop_at"], entry["methods"], kind))
         if progress is not None:
             progress(f"reference: prompt {i + 1}/{len(prompts)}")
     return out, {**eps, "block_size": block, "mask_token_id": mask}
@@ -118,10 +150,10 @@ def along(target, draft, prompt: list[int], tokens: list[int], budgets, epsilon:
     start, what a correct DFlash (and DDTree) accepts when the committed sequence is the engine's. A proposal is
     accepted iff it equals the sequence's next token, so this is the acceptance of a correct decoder whose target took
     the engine's side of each tie."""
-    from ..verify.judge.acceptance.pair_reference import methods_for, prompt_entry
-    from ..verify.judge.acceptance.reference_decode import ScratchPair
+    from ..verify.judge.acceptance.reference_decode import ScratchPair, max_row_l1
 
     block = int(getattr(draft, "block_size", None) or draft.config.block_size)
     pair = ScratchPair(target, draft, int(draft.mask_token_id), block)
-    entry = prompt_entry(pair, prompt, tokens, methods_for(budgets), len(tokens), epsilon, stop_ids)
-    return PromptReference(list(prompt), list(tokens), entry["stop_at"], entry["methods"])
+    hidden_eps = epsilon / max(max_row_l1(target.get_output_embeddings()), 1e-30)  # epsilon_of's rule, undone
+    entry, kind = _entry(pair, prompt, tokens, budgets, epsilon, hidden_eps, stop_ids)
+    return PromptReference(list(prompt), list(tokens), entry["stop_at"], entry["methods"], kind)

@@ -6,7 +6,8 @@ same prompts.
    prompts), sent at temperature 0; its tokens and the engine's own acceptance counters, in one definition (mean
    tokens a verification round commits, the bonus included: ``counters.tokens_per_round``).
 3. ddpatch's from-scratch reference on the same prompts (``reference``): the target's greedy tokens, what a correct
-   DFlash accepts (and DDTree at each budget asked), and the near-tie floor, counted as the engine counts.
+   DFlash accepts (and DDTree at each budget asked), and the near-tie floor, counted as the engine counts. A DFlash2 or
+   DSpark drafter (its config's kind: ``drafter_kinds``) is judged by its own kind's chain, DDTree not judged.
 4. Per prompt and overall: token identity (the first divergence), the two acceptances, the floor, and one verdict.
 """
 
@@ -68,7 +69,7 @@ def judge_prompt(i: int, ref, answer, max_new_tokens: int, budgets, divergence=N
 
     n = len(walk.greedy) if walk.stop_at is None else max_new_tokens
     stop = walk.stop_at
-    chain = walk.methods["dflash"]
+    chain = walk.chain  # the drafter kind's own chain reference (DFlash's; DFlash2's selector, DSpark's Markov head)
     rounds = rounds_of(chain["at"], n, stop, engine=True)
     row["reference"] = _mean(rounds)
     row["reference_rounds"] = len(rounds)
@@ -80,7 +81,8 @@ def judge_prompt(i: int, ref, answer, max_new_tokens: int, budgets, divergence=N
     row["span"] = list(span) if span else None
     row["engine_range"] = [1 + span[0] / span[3], 1 + span[1] / span[2]] if span else None
     row["derived"] = span is not None and (span[0] != span[1] or span[2] != span[3])
-    row["ddtree"] = {b: _mean(rounds_of(walk.methods[f"ddtree_tb{b}"]["at"], n, stop, engine=True)) for b in budgets}
+    row["ddtree"] = {b: (_mean(rounds_of(walk.methods[f"ddtree_tb{b}"]["at"], n, stop, engine=True))
+                         if f"ddtree_tb{b}" in walk.methods else None) for b in budgets}  # None: no tree reference for this kind
     row["room"] = any(min(r) > 1 for r in chain["reachable"][: max(0, n - 2)])
     return row
 
@@ -147,7 +149,15 @@ def gap(r: dict) -> list:
     return r["engine_range"] or [r["engine"]] * 2
 
 
-def verdict(rows: list[dict], engine_kind: str) -> dict:
+def verdict(rows: list[dict], engine_kind: str, drafter: str = "DFlash") -> dict:
+    """``_verdict``'s, its line naming the correct decoder of the drafter's kind (``drafter``: DFlash, DFlash2, DSpark)."""
+    out = _verdict(rows, engine_kind)
+    if drafter != "DFlash":
+        out["line"] = out["line"].replace("correct DFlash", f"correct {drafter}")
+    return out
+
+
+def _verdict(rows: list[dict], engine_kind: str) -> dict:
     """The one line, and the exit code it means: 0 the engine reaches a correct DFlash's acceptance and is exact (or
     parts from the float32 greedy only at near-ties), 1 a finding (not lossless, loses acceptance, counts more than a
     correct DFlash could) or inconclusive (what could not be decided, and what decides it)."""
@@ -234,11 +244,13 @@ def referee(engine_url: str, target: str, draft: str, *, records=None, source=No
     from ..verify.judge.acceptance import floor as acceptance
     from ..verify.models.folders import check_pair
     from ..verify.models.load import target_tokenizer, tokenized_prompts
+    from ..verify.plumbing.drafter_kinds import KIND_NAMES, kind_of_folder, referee_refusal
     from .reference import load_pair, references
 
     started = time.perf_counter()
     say = progress or (lambda text: None)
-    check_pair(target, draft)
+    check_pair(target, draft, refuse=referee_refusal)  # a kind the referee does not judge: one line, never a DFlash verdict
+    drafter_kind = kind_of_folder(draft).kind
     client = engines.connect(engine_url, kind, **({"api": api} if api else {}), timeout_s=timeout_s)
     info = client.info()
     tok = target_tokenizer({"target": target})
@@ -271,10 +283,11 @@ def referee(engine_url: str, target: str, draft: str, *, records=None, source=No
                                      dtype=precision["dtype"], quantized=precision["quantized"],
                                      mask_token_id=eps.get("mask_token_id"), progress=say)
     rows = [judge_prompt(i, r, a, max_new_tokens, budgets, found[i], walks[i]) for i, (r, a) in enumerate(zip(refs, answers))]
-    result = verdict(rows, info.kind)
-    ddtree = {b: _mean([r["ddtree"][b] for r in rows]) for b in budgets}
+    result = verdict(rows, info.kind, KIND_NAMES[drafter_kind])
+    ddtree = {b: (None if any(r["ddtree"][b] is None for r in rows) else _mean([r["ddtree"][b] for r in rows])) for b in budgets}
     return {"engine": info.as_dict(), "target": str(Path(target)), "draft": str(Path(draft)), "prompts_made": made,
-            "max_new_tokens": max_new_tokens, "budgets": list(budgets), "epsilon": eps, "engine_precision": precision,
+            "drafter_kind": drafter_kind, "max_new_tokens": max_new_tokens, "budgets": list(budgets), "epsilon": eps,
+            "engine_precision": precision,
             "per_prompt": rows, "ddtree": ddtree,
             "verdict": result, "seconds": round(time.perf_counter() - started, 2)}
 

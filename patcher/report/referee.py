@@ -34,8 +34,11 @@ def referee_text(result: dict) -> str:
         out.append(f"{r['prompt']:>6}  {same:>13}  {engine:>11}  {_f(r['reference']):>9}  {_f(r['floor']):>6}  {how}")
     v = result["verdict"]
     out.append("")
-    out.append(f"  overall: engine {_f(v.get('engine'))} · a correct DFlash {_f(v.get('reference'))} tokens a round")
-    if result.get("ddtree"):
+    name = {"dflash2": "DFlash2", "dspark": "DSpark"}.get(result.get("drafter_kind"), "DFlash")
+    out.append(f"  overall: engine {_f(v.get('engine'))} · a correct {name} {_f(v.get('reference'))} tokens a round")
+    if result.get("ddtree") and any(m is None for m in result["ddtree"].values()):
+        out.append(f"  DDTree: not judged (no tree reference for a {name} drafter)")
+    elif result.get("ddtree"):
         trees = ", ".join(f"budget {b}: {_f(m)}" for b, m in result["ddtree"].items())
         out.append(f"  a correct DDTree with this pair: {trees} (what an engine without trees gives up)")
     check = Refereed(result).check

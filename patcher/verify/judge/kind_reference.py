@@ -176,3 +176,41 @@ def _dspark_margin(hidden_i, logits_i, previous, g, w, eps, p_min, hidden_eps) -
         sure = sure and c - slack >= p_min
         maybe = maybe and c + slack >= p_min
     return sure, maybe
+
+
+def kind_of_model(draft) -> str:
+    """The kind of a loaded drafter, from the heads it carries: ``dflash2`` (a candidate selector), ``dspark`` (a Markov
+    head) or ``dflash``."""
+    if getattr(draft, "candidate_selector", None) is not None:
+        return "dflash2"
+    return "dspark" if getattr(draft, "markov_head", None) is not None else "dflash"
+
+
+def prompt_entry(pair, kind: str, prompt: list[int], greedy: list[int], horizon: int, eps: float, stop_ids=(), *,
+                 hidden_eps: float = 0.0, p_min: float = 0.0) -> dict:
+    """``pair_reference.prompt_entry``'s shape for a DFlash2 or DSpark drafter: at every start ``s`` before ``horizon``,
+    the kind's chain acceptance (``chain_at``) and its reachable set, under the method named ``kind``. Starts past the
+    end of ``greedy`` (a stop token) are never reached: they hold ``[1]``."""
+    from .pair_reference import context_features
+
+    seq = list(prompt) + list(greedy)
+    features = context_features(pair, seq)
+    w = weights_of(pair.draft, kind)
+    top_k = int(getattr(getattr(pair.draft, "candidate_selector", None), "top_k", 0) or 0)
+    rows = draft_rows(kind, bool(getattr(pair.draft, "sample_from_anchor", True)))
+    P = len(prompt)
+    chain = {"at": [], "reachable": []}
+    for s in range(horizon):
+        if s + 1 >= len(greedy):
+            chain["at"].append(1)
+            chain["reachable"].append([1])
+            continue
+        hidden = block_hidden_at(pair, features, seq, P + s)
+        h, lg = hidden[rows], logits_of(pair, hidden)[rows]
+        gold = list(greedy[s + 1 : s + 1 + h.shape[0]])
+        a, reach = chain_at(kind, h[: len(gold)], lg[: len(gold)], seq[P + s], gold, w, eps, top_k=top_k, p_min=p_min,
+                            hidden_eps=hidden_eps)
+        chain["at"].append(a)
+        chain["reachable"].append(reach)
+    return {"ids": list(prompt), "greedy": list(greedy), "methods": {kind: chain},
+            "stop_at": next((j for j, t in enumerate(greedy) if t in set(stop_ids)), None)}

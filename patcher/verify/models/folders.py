@@ -97,8 +97,9 @@ def is_drafter(config: dict) -> bool:
     return any(f in config for f in DRAFTER_FIELDS) or any(any(n in a for n in DRAFTER_NAMES) for a in archs if isinstance(a, str))
 
 
-def check_pair(target: str | None, draft: str | None) -> None:
-    """``--target`` and ``--draft`` as folders of the right kind, with readable weights; FolderError otherwise."""
+def check_pair(target: str | None, draft: str | None, refuse=verify_refusal) -> None:
+    """``--target`` and ``--draft`` as folders of the right kind, with readable weights; FolderError otherwise.
+    ``refuse``: the one line (or None) for the drafter's kind (``drafter_kinds.verify_refusal``, the referee's own)."""
     if target:
         folder = Path(target)
         config = _config(folder, "--target")
@@ -113,7 +114,7 @@ def check_pair(target: str | None, draft: str | None) -> None:
             kind = ", ".join(config.get("architectures") or []) or config.get("model_type") or "model"
             raise FolderError(f"--draft {folder} is a {kind}, not a drafter (its config has no dflash_config): pass the "
                               "drafter's folder as --draft, or --scripted-draft to verify before a drafter exists")
-        why = verify_refusal(kind_of(config), f"--draft {folder}")  # one line naming the kind, never a DFlash verdict
+        why = refuse(kind_of(config), f"--draft {folder}")  # one line naming the kind, never a DFlash verdict
         if why:
             raise FolderError(why)
         weights_of(folder, "--draft")

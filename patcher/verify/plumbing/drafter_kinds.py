@@ -74,6 +74,30 @@ def verify_refusal(kind: DrafterKind, where: str) -> str | None:
     return None
 
 
+#: The kinds ``ddpatch referee`` judges today. DFlash2's and DSpark's chain references are wired into the referee's
+#: reference (``patcher/referee/reference.py``: ``kind_reference.prompt_entry``); neither has a tree reference (the
+#: referee says "not judged" for DDTree with them). A DSpark drafter with a confidence head is refused: the engine
+#: cuts its drafts at a threshold (``p_min``) of its own that the referee cannot read.
+REFEREE_JUDGES = ("dflash", "dflash2", "dspark")
+#: How the referee's lines name each kind's correct decoder.
+KIND_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark"}
+
+
+def referee_refusal(kind: DrafterKind, where: str) -> str | None:
+    """The one line ``ddpatch referee`` prints for a ``--draft`` of this kind, or None where the referee judges it."""
+    if not kind.supported:
+        return kind.refusal(where)
+    if kind.kind not in REFEREE_JUDGES:
+        return (f"{where}: a {kind.kind} drafter ({kind.found()}): the referee's reference judges "
+                f"{' and '.join(KIND_NAMES[k] for k in REFEREE_JUDGES)} drafters only so far; a {kind.kind} drafter drafts "
+                "otherwise, and a DFlash verdict on it would mean nothing")
+    if kind.kind == "dspark" and str(kind.fields.get("has_confidence_head", False)).lower() not in ("false", "0", "none"):
+        return (f"{where}: a dspark drafter ({kind.found()}): its confidence head cuts each draft at the engine's own "
+                "threshold (p_min), which the referee cannot read from the engine, so no reference acceptance is known; "
+                "the referee judges DSpark drafters without a confidence head, and gives no DFlash verdict")
+    return None
+
+
 def _get(config: dict, name: str):
     inner = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
     if name in config:
