@@ -227,10 +227,9 @@ def _proposed(draft, hidden, anchor: int, head) -> list[int]:
 def _own_path(pair, draft, prompt, first: int, length: int):
     """New tokens that a drafter's own ``propose`` drafts round after round, every draft taken whole: along them a
     correct chain of its kind accepts the whole draft at each of those round starts."""
-    import torch
 
     from patcher.verify.judge.kind_reference import block_hidden_at
-    from patcher.verify.judge.pair_reference import context_features
+    from patcher.verify.judge.acceptance.pair_reference import context_features
 
     got, starts = [first], [0]
     while len(got) < length:
@@ -248,8 +247,8 @@ def _own_path(pair, draft, prompt, first: int, length: int):
 def test_the_referees_kind_reference_is_the_drafters_own_chain_start_by_start(pair_bits, tmp_path, cls, extra, kind):
     from patcher.referee.reference import along, load_pair
     from patcher.verify.judge.kind_reference import block_hidden_at
-    from patcher.verify.judge.pair_reference import context_features, prompt_entry
-    from patcher.verify.judge.reference_decode import ScratchPair
+    from patcher.verify.judge.acceptance.pair_reference import context_features, prompt_entry
+    from patcher.verify.judge.acceptance.reference_decode import ScratchPair
 
     target, prompt, seq = pair_bits
     made = _drafter(cls, **extra)
@@ -325,7 +324,7 @@ def test_the_shipped_dflash2_drafter_accepts_several_tokens_a_round_as_its_refer
 
     from patcher.referee.reference import load_pair
     from patcher.verify.judge.kind_reference import prompt_entry
-    from patcher.verify.judge.reference_decode import ScratchPair, walk
+    from patcher.verify.judge.acceptance.reference_decode import ScratchPair, walk
 
     meta = json.loads((DFLASH2_SHIPPED / "reference.json").read_text())
     assert meta["class"] == "DFlash2DraftModel" and meta["bytes"] == (DFLASH2_SHIPPED / "model.safetensors").stat().st_size
@@ -350,7 +349,7 @@ def test_the_shipped_dflash2_drafter_accepts_several_tokens_a_round_as_its_refer
         assert sum(rounds) / len(rounds) == pytest.approx(ref["per_prompt"][i], abs=0.006), (i, rounds)
         if i == 2:  # start by start, the trained drafter's own propose accepts what the reference says
             from patcher.verify.judge.kind_reference import block_hidden_at
-            from patcher.verify.judge.pair_reference import context_features
+            from patcher.verify.judge.acceptance.pair_reference import context_features
 
             feats = context_features(pair, seq)
             for s in range(new):

@@ -191,7 +191,7 @@ def prompt_entry(pair, kind: str, prompt: list[int], greedy: list[int], horizon:
     """``pair_reference.prompt_entry``'s shape for a DFlash2 or DSpark drafter: at every start ``s`` before ``horizon``,
     the kind's chain acceptance (``chain_at``) and its reachable set, under the method named ``kind``. Starts past the
     end of ``greedy`` (a stop token) are never reached: they hold ``[1]``."""
-    from .pair_reference import context_features
+    from .acceptance.pair_reference import context_features
 
     seq = list(prompt) + list(greedy)
     features = context_features(pair, seq)
