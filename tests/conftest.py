@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -87,11 +88,18 @@ def _group(item) -> str:
     return path
 
 
+#: tests a run of the suite measured over 5 s (tools/slow_tests.py writes the list): slow, out of the fast tier
+MEASURED_SLOW = frozenset(line.split()[0] for line in (Path(__file__).parent / "slow_tests.txt").read_text().splitlines()
+                          if line.strip() and not line.startswith("#"))
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(_group(item)))
+        if item.nodeid.split("@")[0] in MEASURED_SLOW and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("heavy") is not None and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)  # a heavy test is slow too: `-m "not slow"` (it replaces addopts' -m) leaves it out
 
