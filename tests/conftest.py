@@ -88,7 +88,7 @@ def _group(item) -> str:
     return path
 
 
-#: tests a run of the suite measured over 5 s (tools/slow_tests.py writes the list): slow, out of the fast tier
+#: tests a run of the suite measured over 3 s (tools/slow_tests.py writes the list): slow, out of the fast tier
 MEASURED_SLOW = frozenset(line.split()[0] for line in (Path(__file__).parent / "slow_tests.txt").read_text().splitlines()
                           if line.strip() and not line.startswith("#"))
 

@@ -3,7 +3,7 @@
 them). The fast tier stays within its budget as tests grow: rerun this on a fresh report (CONTRIBUTING.md, "tiers").
 
     python3 -m pytest -q --junitxml=/tmp/suite.xml          # the README's command, with a report
-    python3 tools/slow_tests.py /tmp/suite.xml --over 5     # rewrites tests/slow_tests.txt
+    python3 tools/slow_tests.py /tmp/suite.xml --over 3     # rewrites tests/slow_tests.txt
 """
 
 from __future__ import annotations

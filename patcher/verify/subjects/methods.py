@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..check import Check
 from .binding import BindError, NeedsArgument, NotADecoder, bind_roles, kind_of, required_for
 from .needs import needed
 
@@ -239,16 +240,16 @@ def load_rows(plan: dict, loaded: Loaded) -> list[dict]:
     ok = [f"{d['qualname']} from {d['module']}" for d in plan["decoders"] if (d["file"], d["qualname"]) not in failed]
     ok += [f"{n} from {c.__module__}" for n, c in loaded.drafters.items()]
     if not failed:
-        return [{"check": "loads", "passed": True, "evidence": ", ".join(ok)}]
+        return [Check.of("loads", passed=True, evidence=", ".join(ok)).to_json()]
     (d0, err0), *_ = loaded.problems
-    rows = [{"check": "loads", "passed": False, **err0, "evidence": (
+    rows = [Check.of("loads", **{"passed": False, **err0, "evidence": (
         f"{len(failed)} of {len(plan['decoders'])} decoder(s) did not import: "
         + "; ".join(f"{d['file']}:{d['qualname']}: {err['error']}" for d, err in loaded.problems)
-        + (f"; the others are judged below ({', '.join(ok)})" if ok else ""))}]
+        + (f"; the others are judged below ({', '.join(ok)})" if ok else ""))}).to_json()]
     for d, err in loaded.problems:
-        rows.append({"check": f"loads: {d.get('label') or d['qualname']}", "passed": False, **err,
-                     "evidence": f"{d['file']}:{d['qualname']}: {err['error']}",
-                     "decoder": {"file": d["file"], "function": d["qualname"], "kind": None, "drafter": None}})
+        rows.append(Check.of(f"loads: {d.get('label') or d['qualname']}", **{
+            "passed": False, **err, "evidence": f"{d['file']}:{d['qualname']}: {err['error']}",
+            "decoder": {"file": d["file"], "function": d["qualname"], "kind": None, "drafter": None}}).to_json())
     return rows
 
 
@@ -282,8 +283,8 @@ def coverage_check(decoders: list[dict], unparsed: list[str], notes: list[str], 
             text += f" ({exclude_source})"
     if not_torch:
         text += "; left out, not torch code: " + "; ".join(f"{f} ({why})" for f, why in sorted(not_torch.items()))
-    check = {"check": "decoders", "passed": bool(verified) and not finding, "evidence": text,
-             "decoders": decoders, "excluded": list(excluded or []), "not_torch": dict(not_torch or {})}
+    check = Check.of("decoders", passed=bool(verified) and not finding, evidence=text, decoders=decoders,
+                     excluded=list(excluded or []), not_torch=dict(not_torch or {})).to_json()
     if finding:
         check["evidence"] = (f"{len(finding)} decoder(s) in files ddpatch patched were not verified: "
                              + "; ".join(f"{d['file']}:{d['qualname']}" for d in finding) + f"; {text}")

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..check import Check
+
 CHECK = "upstream tests"
 RUNTIME_DIR = "_ddpatch_runtime"
 #: The environments each tree's tests run in: a name and the top-level packages made unimportable there.
@@ -324,7 +326,7 @@ def upstream_tests_row(patched: Path, unpatched: Unpatched, steps_of: Callable[[
                        timeout: float, progress=None) -> dict:
     """The ``upstream tests`` row of a verify report for ``patched`` against ``unpatched``."""
     start = time.perf_counter()
-    row = {"check": CHECK, "passed": True, "original": unpatched.label or str(unpatched.root)}
+    row = Check.of(CHECK, passed=True, original=unpatched.label or str(unpatched.root)).to_json()
     if importlib.util.find_spec("pytest") is None:
         return {**row, "info": True, "evidence": f"not run: pytest is not installed for {sys.executable} (pip install pytest)"}
     with tempfile.TemporaryDirectory(prefix="ddpatch-upstream-tests-") as scratch:

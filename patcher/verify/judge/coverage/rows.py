@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ...check import Check
 from ...subjects import binding
 from ...subjects.decoder_code import DecoderCode, decoder_code
 from ...subjects.reach import Tree
@@ -232,10 +233,11 @@ def row(label: str, dc: DecoderCode, ran: dict, modes: dict, sampled: bool, else
         shown = "; ".join(parts) + (f"; {hidden} more in the JSON" if hidden else "")
         lead = f"{len(unproven)} unproven branch(es) that can change tokens or caches: " if unproven else ""
         evidence = f"{lead}{head}; never ran: {shown}{tail}"
-    return {"check": f"coverage: {label}", "passed": not unproven, "warning": bool(items) and not unproven, "evidence": evidence,
-            "decoder": {"file": dc.decoder.key[0], "function": dc.decoder.key[1]},
-            "coverage": {"ran": done, "total": total, "functions": per_function, "never_ran": [f.as_dict() for f in items],
-                         "mode_runs": runs, "modes_not_run": modes.get("not_run", {})}}
+    return Check.of(f"coverage: {label}", passed=not unproven, warning=bool(items) and not unproven, evidence=evidence,
+                    decoder={"file": dc.decoder.key[0], "function": dc.decoder.key[1]},
+                    coverage={"ran": done, "total": total, "functions": per_function,
+                              "never_ran": [f.as_dict() for f in items], "mode_runs": runs,
+                              "modes_not_run": modes.get("not_run", {})}).to_json()
 
 
 # ----------------------------------------------------------------------------- the parent: one row per decoder
@@ -249,8 +251,8 @@ def settle(result: dict | None, results: list, cfg: dict) -> dict | None:
         return result
     if not payloads or not any(p.get("available") for p in payloads):
         why = next((p.get("why") for p in payloads if p.get("why")), "no decoder ran")
-        result.setdefault("checks", []).append({"check": "coverage", "passed": True, "warning": True,
-                                                "evidence": f"not measured: {why}"})
+        result.setdefault("checks", []).append(Check.of("coverage", passed=True, warning=True,
+                                                         evidence=f"not measured: {why}").to_json())
         return result
     contexts: dict = {}
     modes: dict = {}
@@ -271,9 +273,9 @@ def settle(result: dict | None, results: list, cfg: dict) -> dict | None:
         record = modes.get(key, {})
         ran = contexts.get(key)
         if not ran:
-            rows.append({"check": f"coverage: {d['label']}", "passed": True, "warning": True,
-                         "evidence": f"no line of {key} was measured: no run of it completed (its rows say why), or the "
-                                     "collector saw none"})
+            rows.append(Check.of(f"coverage: {d['label']}", passed=True, warning=True,
+                                 evidence=f"no line of {key} was measured: no run of it completed (its rows say why), "
+                                          "or the collector saw none").to_json())
             continue
         roles = record.get("roles") or roles_by_name(tree, (d["file"], d["qualname"]))
         extra = {tree.enclosing(rel, line) for rel, lines in ran.items() if rel in tree.files for line in lines} - {None}
