@@ -16,6 +16,19 @@ import json
 import time
 
 
+def read_event(line: str, progress, log: list[str]) -> dict | None:
+    """One line of a child's output: a progress event (handed to ``progress``), its result (returned), or anything else
+    upstream code printed (kept in ``log``)."""
+    try:
+        event = json.loads(line)
+    except json.JSONDecodeError:
+        log.append(line)  # warnings and prints from upstream code
+        return None
+    if event.get("event") == "progress" and progress is not None:
+        progress(event)
+    return event["result"] if event.get("event") == "result" else None
+
+
 def run_queue(parts: list, start, slots: int, deadline: float, progress, log: list[str]) -> tuple[list, dict]:
     """Each part's result (None where it gave none) and, by part index, how the child that died before the deadline
     ended (``exitstatus.Death``). ``start(part)`` starts a child; at most ``slots`` run side by side."""
@@ -63,15 +76,9 @@ def run_queue(parts: list, start, slots: int, deadline: float, progress, log: li
                 if not line:
                     finish(i, None)
                     continue
-                try:
-                    event = json.loads(line)
-                except json.JSONDecodeError:
-                    log.append(line)  # warnings and prints from upstream code
-                    continue
-                if event.get("event") == "progress" and progress is not None:
-                    progress(event)
-                elif event.get("event") == "result":
-                    finish(i, event["result"])
+                result = read_event(line, progress, log)
+                if result is not None:
+                    finish(i, result)
     finally:
         for child in started:
             child.kill()

@@ -459,12 +459,6 @@ def _read_events(child, deadline: float, progress, log: list[str]) -> dict | Non
         line = child.stdout.readline()
         if not line:
             return None
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            log.append(line)  # warnings and prints from upstream code
-            continue
-        if event.get("event") == "progress" and progress is not None:
-            progress(event)
-        elif event.get("event") == "result":
-            return event["result"]
+        result = partial.read_event(line, progress, log)
+        if result is not None:
+            return result
