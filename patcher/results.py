@@ -2,12 +2,11 @@
 
 The engine returns a ``Report`` (per step and anchor a status, with the ``Site``s behind it,
 per file the new text); ``verify`` an ``Outcome`` (the child's result dict and its
-checks, each a ``Check``: ``patcher/verify/check.py``, re-exported here); ``ci`` a ``CIResult`` (a ``CommitEval`` per evaluated commit and a ``Finding`` per
+check rows, JSON: the renderers read each as a ``Check``, ``patcher/verify/check.py``); ``ci`` a ``CIResult`` (a ``CommitEval`` per evaluated commit and a ``Finding`` per
 status change). They are data: no I/O, no rendering. Each ``as_dict`` is its plain-data
 form (what the JSON report prints and what ``ci`` stores per commit).
 
-Imports: stdlib, ``patcher.__version__`` and ``Check`` (a stdlib-only module that lies in ``verify/`` so that the
-verifier's child loads it too).
+Imports: stdlib and ``patcher.__version__``.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
-from .verify.check import CONTROL, FAIL, INCONCLUSIVE, INFO, PASS, SKIP, WARNING, Check  # noqa: F401  (re-exported)
 
 # ----------------------------------------------------------------------------- statuses
 APPLIED = "applied"
@@ -270,14 +268,9 @@ class Outcome:
         return list(self.result.get("checks", [])) + [c for m in self.result.get("models", []) for c in m["checks"]]
 
     @property
-    def typed_checks(self) -> list[Check]:
-        """Every check, typed: what the renderers read."""
-        return [Check.from_json(c) for c in self.checks]
-
-    @property
     def passed(self) -> bool:
-        checks = self.typed_checks
-        return bool(checks) and all(c.passed for c in checks) and not self.result.get("fatal")
+        checks = self.checks
+        return bool(checks) and all(c["passed"] for c in checks) and not self.result.get("fatal")
 
 
 @dataclass
@@ -290,17 +283,6 @@ class Refereed:
     def passed(self) -> bool:
         return bool(self.result.get("verdict", {}).get("passed"))
 
-    @property
-    def check(self) -> Check:
-        """The verdict as the one check type every report renders: ``referee: KIND`` passed (or failed, or was
-        inconclusive) on the verdict's line, its figures (engine, reference, the prompts derived or at a near-tie) kept.
-        The JSON ``ddpatch referee --format json`` writes is the plain result, as before."""
-        v = dict(self.result.get("verdict") or {})
-        kind = (self.result.get("engine") or {}).get("kind", "engine")
-        figures = {k: x for k, x in v.items() if k not in ("passed", "line")}
-        if v.get("kind") == "inconclusive":
-            figures["inconclusive"] = True
-        return Check.of(f"referee: {kind}", passed=bool(v.get("passed")), evidence=v.get("line"), **figures)
 
     @property
     def exit_code(self) -> int:
@@ -339,11 +321,6 @@ class CommitEval:
     def no_match(self) -> list[str]:
         """Steps that fail here: no-match, or not checked because a file they need was skipped."""
         return [sid for sid, s in self.steps.items() if s["status"] not in GREEN]
-
-    @property
-    def verify_checks(self) -> list[Check]:
-        """The verify summary's checks (each names its ``model``), typed."""
-        return [Check.from_json(c) for c in (self.verify or {}).get("checks", [])]
 
     @property
     def verify_failed(self) -> bool:

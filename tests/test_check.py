@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from patcher.results import CONTROL, FAIL, INCONCLUSIVE, INFO, PASS, SKIP, WARNING, Check, Outcome
+from patcher.results import Outcome
+from patcher.verify.check import CONTROL, FAIL, INCONCLUSIVE, INFO, PASS, SKIP, WARNING, Check, checks_of
 
 #: rows as verify writes them, keys in the order their oracles wrote them (a rollback row names its histogram first)
 ROWS = [
@@ -58,7 +59,7 @@ def test_a_plain_check_writes_check_passed_evidence_then_its_figures():
 
 def test_outcome_reads_its_rows_as_checks():
     outcome = Outcome({"checks": [ROWS[0]], "models": [{"model": "m", "checks": [ROWS[1]]}]}, 1.0)
-    assert [c.name for c in outcome.typed_checks] == ["lossless: ddtree", "rollback seen: dflash"]
+    assert [c.name for c in checks_of(outcome.checks)] == ["lossless: ddtree", "rollback seen: dflash"]
     assert not outcome.passed
     assert Outcome({"checks": [ROWS[0]], "models": []}, 1.0).passed
 

@@ -328,8 +328,7 @@ def test_the_referee_on_the_shipped_pair_passes_a_near_tie_and_fails_a_loss(monk
 
 
 def test_the_text_report_shows_near_ties_derived_ranges_and_the_verdict_as_a_check():
-    from patcher.report.referee import referee_text
-    from patcher.results import Refereed
+    from patcher.report.referee import referee_text, verdict_check
 
     row = {"prompt": 0, "identical": False, "first_difference": 38, "tokens": "near-tie", "engine": 3.5, "reference": 3.5,
            "floor": 3.2, "acceptance": {"accepted": 54, "rounds": 9, "exact": False}, "derived": True,
@@ -342,7 +341,7 @@ def test_the_text_report_shows_near_ties_derived_ranges_and_the_verdict_as_a_che
     assert "near-tie at 38" in text and "differs at" not in text
     assert "6.00-7.75" in text  # every value the derived rounds allow
     assert text.rstrip().endswith("INCONCLUSIVE: inconclusive: why")
-    check = Refereed(result).check
+    check = verdict_check(result)
     assert (check.name, check.status, check.evidence) == ("referee: llama.cpp", "inconclusive", "inconclusive: why")
     result["verdict"].update(kind="exact", passed=True, line="the engine reaches it")
-    assert Refereed(result).check.status == "pass" and referee_text(result).rstrip().endswith("PASS: the engine reaches it")
+    assert verdict_check(result).status == "pass" and referee_text(result).rstrip().endswith("PASS: the engine reaches it")

@@ -67,8 +67,8 @@ MAY_IMPORT = {
     "verify": {"check", "results", "errors", "lossless", "__init__"},  # lossless: for `verify --generate`
     "referee": {"verify", "results", "errors", "__init__"},  # engines' clients and counters (stdlib HTTP, no torch on import);
     # verify: the reference decoders, imported inside functions
-    "report": {"results", "env", "__init__"},  # env: the verify header names where transformers stands
-    "results": {"check", "__init__"},  # check: re-exported (the renderers' one check type)
+    "report": {"results", "check", "env", "__init__"},  # env: the verify header names where transformers stands; check: rows read as Checks
+    "results": {"__init__"},
     "check": set(),  # patcher/verify/check.py: the one Check type (stdlib only; see SHARED_LEAVES)
     "errors": set(),
     "env": set(),  # installed versions against the tested ranges (stdlib; torch inside a function)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import html
 import math
 
-from ..results import CONTROL, FAIL, INCONCLUSIVE, INFO, PASS, SKIP, WARNING, Check, Outcome
+from ..results import Outcome
+from ..verify.check import CONTROL, FAIL, INCONCLUSIVE, INFO, PASS, SKIP, WARNING, Check
 
 #: the |Δlogit| plot: its size and margins (the right one holds the "tolerance" / "noise floor" labels)
 W, H, PAD, RIGHT = 680, 220, 46, 84

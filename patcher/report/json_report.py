@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..results import INCONCLUSIVE, ApplyResult, CIResult, Outcome, Report, StepDoc
+from ..results import ApplyResult, CIResult, Outcome, Report, StepDoc
+from ..verify.check import INCONCLUSIVE, checks_of
 
 
 def patch_payload(report: Report, command: str, code: int, **extra: Any) -> dict:
@@ -26,7 +27,7 @@ def verify_verdict_word(outcome: Outcome) -> str:
     """pass, fail, or inconclusive (every failed check is one that cannot judge in this dtype: never a pass)."""
     if outcome.passed:
         return "pass"
-    failed = [c for c in outcome.typed_checks if not c.passed]
+    failed = [c for c in checks_of(outcome.checks) if not c.passed]
     return "inconclusive" if failed and all(c.status == INCONCLUSIVE for c in failed) else "fail"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..results import GREEN, CIResult
+from ..verify.check import checks_of
 
 
 def render_junit(result: CIResult) -> str:
@@ -46,7 +47,7 @@ def render_junit(result: CIResult) -> str:
                 ET.SubElement(case, "skipped", message=v.get("skipped", "not run"))
                 counts["tests"] += 1
                 counts["skipped"] += 1
-            for c in ev.verify_checks:
+            for c in checks_of((ev.verify or {}).get("checks", [])):
                 case = ET.SubElement(suite, "testcase", classname=f"{classname}.verify", name=f"{c.get('model')}: {c.name}", time="0")
                 counts["tests"] += 1
                 evidence = c.get("evidence", "")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..results import Refereed
+from ..verify.check import Check
 
 #: the word a verdict's status is shown with
 WORDS = {"pass": "PASS: ", "inconclusive": "INCONCLUSIVE: ", "fail": "FAIL: "}
@@ -10,6 +10,18 @@ WORDS = {"pass": "PASS: ", "inconclusive": "INCONCLUSIVE: ", "fail": "FAIL: "}
 
 def _f(x, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
+
+
+def verdict_check(result: dict) -> Check:
+    """The referee's verdict as the one check type every report renders: ``referee: KIND`` passed (or failed, or was
+    inconclusive) on the verdict's line, its figures (engine, reference, the prompts derived or at a near-tie) kept.
+    The JSON ``ddpatch referee --format json`` writes is the plain result, as before."""
+    v = dict(result.get("verdict") or {})
+    kind = (result.get("engine") or {}).get("kind", "engine")
+    figures = {k: x for k, x in v.items() if k not in ("passed", "line")}
+    if v.get("kind") == "inconclusive":
+        figures["inconclusive"] = True
+    return Check.of(f"referee: {kind}", passed=bool(v.get("passed")), evidence=v.get("line"), **figures)
 
 
 def referee_text(result: dict) -> str:
@@ -41,6 +53,6 @@ def referee_text(result: dict) -> str:
     elif result.get("ddtree"):
         trees = ", ".join(f"budget {b}: {_f(m)}" for b, m in result["ddtree"].items())
         out.append(f"  a correct DDTree with this pair: {trees} (what an engine without trees gives up)")
-    check = Refereed(result).check
+    check = verdict_check(result)
     out.append(WORDS.get(check.status, "FAIL: ") + check.evidence)
     return "\n".join(out) + "\n"

@@ -9,6 +9,7 @@ from typing import Any
 
 from .. import __version__, shipped
 from ..results import GREEN, CIResult
+from ..verify.check import checks_of
 
 
 def _recipe_location(recipe, step: str | None) -> dict:
@@ -76,7 +77,7 @@ def render_sarif(result: CIResult) -> dict:
                 "properties": {"commit": tip.sha, "function": a.get("function"), "upstream": tip.upstream},
             })
     if result.verify and tip.verify_failed:
-        for c in tip.verify_checks:
+        for c in checks_of((tip.verify or {}).get("checks", [])):
             if not c.passed:
                 results.append({"ruleId": "verify", "ruleIndex": index["verify"], "level": "error",
                                 "message": {"text": f"verify {c.get('model')}: {c.name}: {c.evidence}"},

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from ..results import ALREADY_APPLIED, APPLIED, EXIT_OK, FIXED_UPSTREAM, LAYOUT, NO_MATCH, PENDING, SKIPPED, ApplyResult, CIResult, Outcome, Report, StepDoc
-from ..results import CONTROL, FAIL, INCONCLUSIVE, INFO, PASS, SKIP, WARNING, Check
+from ..verify.check import CONTROL, FAIL, INCONCLUSIVE, INFO, PASS, SKIP, WARNING, Check, checks_of
 from .console import console, print_table
 from .refusals import error_lines  # noqa: F401  (the CLI imports it from here)
 
@@ -332,7 +332,7 @@ def verify_verdict(outcome: Outcome) -> str:
     """PASS, FAIL, or INCONCLUSIVE (only inconclusive checks failed: never a pass)."""
     if outcome.passed:
         return "[bold green]PASS[/]: every check passed"
-    failed = [c for c in outcome.typed_checks if not c.passed]
+    failed = [c for c in checks_of(outcome.checks) if not c.passed]
     if failed and all(c.status == INCONCLUSIVE for c in failed):
         command = next((c.get("float32_command") for c in failed if c.get("float32_command")), None)
         text = "; ".join(dict.fromkeys(c.evidence.split(":")[0] for c in failed))
@@ -421,7 +421,7 @@ def render_ci(result: CIResult) -> str:
     if result.verify:
         for ev in result.evaluated:
             v = ev.verify or {}
-            failed = [c for c in ev.verify_checks if not c.passed]
+            failed = [c for c in checks_of((ev.verify or {}).get("checks", [])) if not c.passed]
             if v.get("skipped") or failed:
                 out.append("")
                 out.append(f"verify {ev.short}: {v.get('skipped') or 'FAIL'}")

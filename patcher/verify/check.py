@@ -90,6 +90,11 @@ class Check:
         return cls(row["check"], row["passed"], row.get("evidence"), figures, tuple(row))
 
 
+def checks_of(rows) -> list[Check]:
+    """JSON rows (a verify report's, or ``ci``'s verify summary's) as Checks: what the renderers read."""
+    return [row if isinstance(row, Check) else Check.from_json(row) for row in rows]
+
+
 def rows(checks) -> list[dict[str, Any]]:
     """Checks as the JSON rows a result carries (a row already JSON passes through)."""
     return [c.to_json() if isinstance(c, Check) else c for c in checks]
