@@ -266,3 +266,17 @@ def test_a_drafter_that_attends_past_its_window_fails(tmp_path):
     for method in METHODS:
         check = checks[f"drafter: {method}"]
         assert not check["passed"] and check["failures"][0]["field"] == "output", check
+
+
+def test_features_the_drafters_own_projection_already_gave_are_judged_through_its_output():
+    """A fork that projects the target's features first (``model.project_target_hidden(...)``, issue 49) hands the
+    drafter rows as wide as its fc's output: not a features difference (the output they feed is compared, and a wrong
+    projection fails there: tests/drift's ``project-hidden-call``); rows of any other width still are."""
+    import torch
+
+    from patcher.verify.judge.drafter.verdict import _features
+
+    feats, worst = torch.zeros(8, 128), (lambda name, value: value)
+    assert _features(None, feats, torch.zeros(8, 64), 0, 8, 1e-4, worst, projected=64) is None
+    assert "8 rows given" in _features(None, feats, torch.zeros(8, 64), 0, 8, 1e-4, worst, projected=None)
+    assert "rows given" in _features(None, feats, torch.zeros(8, 96), 0, 8, 1e-4, worst, projected=64)

@@ -253,9 +253,6 @@ ROUND3 = [
     Variant(
         "project-hidden-call", "forks (issue 49)", "dflash", build_project_hidden_call, claims_project_hidden_call,
         statuses=ROUTED,
-        # apply is right (the drafter call windowed, the projection not); verify's drafter oracle rebuilds the raw
-        # features and compares them with the projected ones the fork hands the drafter: a red of verify's own
-        known_gap="features differs",
         summary="`DFlashDraftModel.project_target_hidden(target_hidden)` (fc + norm, no attention); the decoder calls it "
                 "first and hands the drafter `target_hidden=features, projected=True`",
     ),

@@ -115,8 +115,13 @@ def _nearest(rows, table, chunk: int = 8192) -> list[int]:
     return best_i.tolist()
 
 
-def _features(ref, feats, rows, c: int, s: int, tol: float, worst) -> str | None:
-    """(a): the rows must be the reference features of positions c..s-1; what they are instead."""
+def _features(ref, feats, rows, c: int, s: int, tol: float, worst, projected: int | None = None) -> str | None:
+    """(a): the rows must be the reference features of positions c..s-1; what they are instead. Rows as wide as the
+    drafter's own input projection's output (``projected``: a fork that projects the features first, as
+    ``model.project_target_hidden(...)`` does, and hands the drafter the result) are not compared here: the drafter's
+    output, which they feed, is compared with its from-scratch output on the reference's raw features."""
+    if projected and rows.shape[-1] == projected != feats.shape[-1] and rows.shape[0] == s - c:
+        return None
     span = _span(list(range(c, s)))
     near = _nearest(rows, feats) if rows.shape[-1] == feats.shape[-1] else []
     if rows.shape != feats[c:s].shape:
@@ -256,7 +261,8 @@ def judge(recorder: DrafterRecorder, target, draft, final, mask_id: int, cal: Dr
             # the draft cache may hold committed context only: nothing past the previous round's committed length
             "cache": None if c <= prev_start else (f"the draft cache held {c} positions before this call, the previous round "
                                                    f"had committed only {prev_start} (it keeps {c - prev_start} block position(s))"),
-            "features": _features(ref, feats, call["features"][0].float().cpu(), c, s, cal.tolerances["features"], worst),
+            "features": _features(ref, feats, call["features"][0].float().cpu(), c, s, cal.tolerances["features"], worst,
+                                  getattr(getattr(draft, "fc", None), "out_features", None)),
             "positions": None if got == want else (f"{_span(got)} given, {_span(want)} expected (draft cache {c}, committed {s})"
                                                    + (f": shifted by {shift.pop():+d}" if len(shift) == 1 else "")),
             "noise": _noise(ref, call["noise"][0].float().cpu(), ref.block(s, q, mask_id)[0].float().cpu(), final[s], mask_id, worst,
