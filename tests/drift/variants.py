@@ -66,9 +66,6 @@ class Variant:
     unpatched_min_transformers: str | None = None
     #: The methods whose lossless checks a pass must contain (None: the layout's, ``outcome.required_lossless``).
     methods: tuple[str, ...] | None = None
-    #: A gap of verify's on record for this lossless variant: its verify must still fail, on these words (a pass fails
-    #: the test until the entry goes, as .ci/matrix's KNOWN_FAIL does).
-    known_gap: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.expected, NoMatch):
