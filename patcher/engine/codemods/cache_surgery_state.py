@@ -30,11 +30,14 @@ WAY = ("drop the hand save and restore: route the verify through `_ddpatch_runti
 
 def _store(expr: cst.BaseExpression) -> cst.Attribute | None:
     """``X.conv_states`` / ``X.recurrent_states`` that ``expr`` is or is read from by subscripts (``X.conv_states[i][j]``),
-    never ``self.conv_states`` (a cache layer's own code: transformers', or a copy of it)."""
+    never one the object owns (``self.conv_states``, ``self.rg_lru.recurrent_states``: a cache layer's or a model's own
+    code, transformers' or a copy of it, as RecurrentGemma's ``_setup_cache`` sets up its own block's state)."""
     while isinstance(expr, cst.Subscript):
         expr = expr.value
-    if isinstance(expr, cst.Attribute) and expr.attr.value in STATE and dotted(expr.value) not in ("self", "cls"):
-        return expr
+    if isinstance(expr, cst.Attribute) and expr.attr.value in STATE:
+        root = (dotted(expr.value) or "").split(".")[0]
+        if root not in ("self", "cls"):
+            return expr
     return None
 
 
