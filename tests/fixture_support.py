@@ -93,3 +93,19 @@ if __name__ == "__main__":
     import sys
 
     sys.exit(main(sys.argv[1:]))
+
+
+#: a chain decoder with no benchmark around it (no layout marker, timing, dataset or attention switch): the smallest
+#: tree check takes for a decoder's (tests/test_forks_round3.py, tests/test_cache_surgery.py put beside it what they test)
+CHAIN_DECODER = '''from transformers import DynamicCache
+
+
+def chain_generate(target, drafter, ids, rounds):
+    cache, draft_cache = DynamicCache(), DynamicCache()
+    out = target(ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+    for _ in range(rounds):
+        block = drafter(target_hidden=out.hidden_states[-1], past_key_values=draft_cache, use_cache=True)
+        out = target(block, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        cache.crop(ids.shape[1])
+    return ids
+'''

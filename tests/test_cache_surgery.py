@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_support import run
+from fixture_support import CHAIN_DECODER as DECODER
 from fixture_support import run_codemod
 from runtime_support import ATOL, RTOL, model, one_thread, prefill  # noqa: F401 (fixture)
 
@@ -146,18 +147,6 @@ def restore(cache, saved):
         layer.recurrent_states.copy_(recurrent)
 '''
 #: the decoder beside it (the tree is a decoder's, or check refuses it whole)
-DECODER = '''from transformers import DynamicCache
-
-
-def chain_generate(target, drafter, ids, rounds):
-    cache, draft_cache = DynamicCache(), DynamicCache()
-    out = target(ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
-    for _ in range(rounds):
-        block = drafter(target_hidden=out.hidden_states[-1], past_key_values=draft_cache, use_cache=True)
-        out = target(block, past_key_values=cache, use_cache=True, output_hidden_states=True)
-        cache.crop(ids.shape[1])
-    return ids
-'''
 
 
 def test_a_hand_snapshot_of_linear_state_is_named_where_it_breaks_on_this_transformers(tmp_path):

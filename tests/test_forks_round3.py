@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 from drift.variants import VENDORED
 
+from fixture_support import CHAIN_DECODER as CHAIN
 from patcher.cli import main
 
 RECIPE = ["--recipe", "qwen3_6-gdn", "-j", "1"]
@@ -47,18 +48,6 @@ def write(root: Path, files: dict[str, str]) -> Path:
 
 
 # a decoder with no benchmark around it: no layout's marker, no timing, no dataset, no attention switch
-CHAIN = '''from transformers import DynamicCache
-
-
-def chain_generate(target, drafter, ids, rounds):
-    cache, draft_cache = DynamicCache(), DynamicCache()
-    out = target(ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
-    for _ in range(rounds):
-        block = drafter(target_hidden=out.hidden_states[-1], past_key_values=draft_cache, use_cache=True)
-        out = target(block, past_key_values=cache, use_cache=True, output_hidden_states=True)
-        cache.crop(ids.shape[1])
-    return ids
-'''
 
 # a drafter whose only decoder is its own method, driving `self(...)` round after round
 SELF_DRIVEN = '''import torch
